@@ -1,0 +1,42 @@
+"""Engine configuration: frozen, derived once from builder arguments, split per component."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    block_size: int = 16
+    # None until the shards have measured memory at warmup (see shards.worker).
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError("block_size must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """TGI v3's batching knobs, same names and meaning."""
+
+    max_batch_prefill_tokens: int = 4096
+    # None: every KV slot the cache holds (num_blocks * block_size).
+    max_batch_total_tokens: int | None = None
+    max_batch_size: int | None = None
+    # With a running batch, admit waiting requests only when at least
+    # floor(running * waiting_served_ratio) of them wait ...
+    waiting_served_ratio: float = 0.3
+    # ... or when they have waited this many decode steps.
+    max_waiting_tokens: int = 20
+    enable_chunked_prefill: bool = True
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_batch_prefill_tokens <= 0:
+            raise ValueError("max_batch_prefill_tokens must be positive")
+        if self.max_batch_size is not None and self.max_batch_size <= 0:
+            raise ValueError("max_batch_size must be positive")
+        if self.waiting_served_ratio < 0 or self.max_waiting_tokens < 0:
+            raise ValueError("waiting_served_ratio and max_waiting_tokens must be >= 0")

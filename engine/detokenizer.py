@@ -1,0 +1,82 @@
+"""Incremental detokenization: text out as tokens arrive, never half a character.
+
+The window trick (as in TGI and vLLM): decode the last few tokens with and without the
+new ones and emit the difference, unless it ends in U+FFFD (an incomplete UTF-8 byte
+sequence, finished by a later token). `flush` emits what is left when the request ends,
+so the pieces always concatenate to the decode of the whole output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Prompt tokens kept as left context, so tokenizers that drop a leading space at the
+# start of a decode (sentencepiece) still produce it for the first output token.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def step(self, token_id: int) -> str:
+        """Text that `token_id` completes ("" while a character is still partial)."""
+        self.token_ids.append(token_id)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+            return new_text[len(prefix_text) :]
+        return ""
+
+    def flush(self) -> str:
+        """What is left at the end: bytes that never completed a character."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        return new_text[len(prefix_text) :] if new_text.startswith(prefix_text) else ""
+
+
+class StopChecker:
+    """Finds stop strings in the text as it grows, even when one spans several tokens.
+    While streaming it holds back the last len(longest stop) - 1 characters, which could be
+    the start of a stop string, so no client ever sees a stop string it then loses."""
+
+    def __init__(self, stop: tuple[str, ...], include_stop_str: bool = False):
+        self.stop = stop
+        self.include_stop_str = include_stop_str
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+        self.text = ""
+        self.num_emitted = 0
+
+    def append(self, piece: str) -> bool:
+        """Add text; True if a stop string now ends the output (text is then trimmed)."""
+        if not piece:
+            return False
+        search_from = max(0, len(self.text) - self.holdback)
+        self.text += piece
+        found = -1
+        stop_len = 0
+        for stop in self.stop:
+            at = self.text.find(stop, search_from)
+            if at != -1 and (found == -1 or at < found):
+                found, stop_len = at, len(stop)
+        if found == -1:
+            return False
+        self.text = self.text[: found + stop_len] if self.include_stop_str else self.text[:found]
+        return True
+
+    def take(self, finished: bool) -> str:
+        """New text a client may see now."""
+        end = len(self.text) if finished else max(self.num_emitted, len(self.text) - self.holdback)
+        out = self.text[self.num_emitted : end]
+        self.num_emitted = end
+        return out

@@ -1,0 +1,140 @@
+"""The engine: scheduler + a worker that runs steps + per-request output processing.
+
+The worker is anything with `step(StepInput) -> StepOutput | None` (an in-process shard,
+or a group of Ray shard actors), injected so tests can run the engine with either.
+`schedule` and `process` are separate so an async caller can await the worker between
+them without blocking its event loop.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.detokenizer import IncrementalDetokenizer, StopChecker
+from engine.messages import StepInput, StepOutput
+from engine.outputs import RequestOutput
+from engine.request import FinishReason, Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler, SchedulerOutput
+
+
+class Worker(Protocol):
+    def step(self, step_input: StepInput) -> StepOutput | None: ...
+
+
+@dataclass(slots=True)
+class _OutputState:
+    detokenizer: IncrementalDetokenizer
+    stop: StopChecker
+    prompt_logprobs: list[float] | None = None
+    prompt_logprobs_sent: bool = False
+
+
+class LLMEngine:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 tokenizer: Any, eos_token_ids: frozenset[int], worker: Worker | None = None):
+        self.scheduler = Scheduler(scheduler_config, cache_config, eos_token_ids)
+        self.tokenizer = tokenizer
+        self.worker = worker
+        self._states: dict[str, _OutputState] = {}
+
+    # -- requests --------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, arrival_time: float | None = None) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt must have at least one token")
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        request = Request(request_id, list(prompt_token_ids), params, seed)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self.scheduler.add_request(request)
+        self._states[request_id] = _OutputState(
+            IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
+            StopChecker(params.stop, params.include_stop_str_in_output),
+            [] if params.prompt_logprobs else None,
+        )
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.scheduler.abort(request_id)
+        state = self._states.pop(request_id, None)
+        if request is None or state is None:
+            return None
+        return RequestOutput(request_id, finished=True, finish_reason=FinishReason.ABORTED,
+                             num_prompt_tokens=request.num_prompt_tokens)
+
+    def fail_all(self, error: str) -> list[RequestOutput]:
+        """End every request with an error (the shards died): nothing is left hanging."""
+        outputs = []
+        for request_id in list(self.scheduler.requests):
+            self.scheduler.finish(request_id, FinishReason.ERROR)
+            self._states.pop(request_id, None)
+            outputs.append(RequestOutput(request_id, finished=True,
+                                         finish_reason=FinishReason.ERROR, error=error))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the step ------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        if self.worker is None:
+            raise RuntimeError("no worker: use schedule() and process() instead")
+        scheduled = self.schedule()
+        if scheduled.is_empty:
+            return self.process(scheduled, None)
+        return self.process(scheduled, self.worker.step(scheduled.step_input))
+
+    def schedule(self) -> SchedulerOutput:
+        return self.scheduler.schedule()
+
+    def process(self, scheduled: SchedulerOutput, output: StepOutput | None) -> list[RequestOutput]:
+        results = [self._finished_early(r) for r in self.scheduler.finished_unscheduled]
+        self.scheduler.finished_unscheduled.clear()
+        if output is None:
+            return results
+        for request_id, logprobs in output.prompt_logprobs.items():
+            state = self._states.get(request_id)
+            if state is not None and state.prompt_logprobs is not None:
+                state.prompt_logprobs.extend(logprobs)
+        rows = {request_id: row for row, request_id in enumerate(output.request_ids)}
+        for request in self.scheduler.update(output):
+            results.append(self._make_output(request, output, rows[request.request_id]))
+        return results
+
+    def _make_output(self, request: Request, output: StepOutput, row: int) -> RequestOutput:
+        state = self._states[request.request_id]
+        token_id = output.token_ids[row]
+        piece = state.detokenizer.step(token_id)
+        finished = request.is_finished
+        if finished:
+            piece += state.detokenizer.flush()
+        if state.stop.append(piece) and not finished:
+            self.scheduler.finish(request.request_id, FinishReason.STOP_SEQUENCE)
+            finished = True
+        result = RequestOutput(
+            request.request_id,
+            token_ids=[token_id],
+            token_texts=[piece],
+            logprobs=[output.logprobs[row]],
+            top_logprobs=[output.top_logprobs[row]] if output.top_logprobs else [[]],
+            text=state.stop.take(finished),
+            finished=finished,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+        if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
+            result.prompt_logprobs = [None, *state.prompt_logprobs]
+            state.prompt_logprobs_sent = True
+        if finished:
+            del self._states[request.request_id]
+        return result
+
+    def _finished_early(self, request: Request) -> RequestOutput:
+        self._states.pop(request.request_id, None)
+        return RequestOutput(request.request_id, finished=True,
+                             finish_reason=request.finish_reason,
+                             num_prompt_tokens=request.num_prompt_tokens)

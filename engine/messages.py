@@ -1,0 +1,56 @@
+"""What the scheduler sends the shards each step, and what comes back.
+
+A step is a diff: requests the shards have not seen (or lost to preemption) come whole,
+the others bring only the tokens and blocks added since their last step, and finished or
+preempted ids are dropped. So a decode step costs a few ints per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequestData:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    params: SamplingParams
+    seed: int
+
+
+@dataclass(frozen=True, slots=True)
+class CachedRequestData:
+    request_id: str
+    new_token_ids: list[int]
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepInput:
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    # Batch order: request id -> tokens to compute this step.
+    num_scheduled_tokens: dict[str, int]
+    freed_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """Rank 0's result: one sampled token per request that reached its last token."""
+
+    request_ids: list[str]
+    token_ids: list[int]
+    logprobs: list[float]
+    # Per row: (token id, logprob) alternatives, best first; empty when not asked.
+    top_logprobs: list[list[tuple[int, float]]]
+    # Request id -> logprob of each prompt token computed this step that has one.
+    prompt_logprobs: dict[str, list[float]] = field(default_factory=dict)

@@ -1,0 +1,57 @@
+"""What the engine hands back for each request after each step: a delta."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import FinishReason
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)  # new since the last output
+    token_texts: list[str] = field(default_factory=list)  # incremental text per token
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""  # new text, stop strings trimmed and held back while streaming
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    # Set once, on the output that completes the prompt: logprob of each prompt token
+    # given the ones before it (None for the first).
+    prompt_logprobs: list[float | None] | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """A whole generation, as `LLM.generate` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    prompt_logprobs: list[float | None] | None
+    num_cached_tokens: int
+
+    @classmethod
+    def collect(cls, prompt_token_ids: list[int], outputs: list[RequestOutput]) -> CompletionOutput:
+        first, last = outputs[0], outputs[-1]
+        if last.error is not None:
+            raise RuntimeError(f"request {first.request_id} failed: {last.error}")
+        return cls(
+            request_id=first.request_id,
+            prompt_token_ids=prompt_token_ids,
+            token_ids=[t for o in outputs for t in o.token_ids],
+            text="".join(o.text for o in outputs),
+            finish_reason=last.finish_reason,
+            logprobs=[lp for o in outputs for lp in o.logprobs],
+            top_logprobs=[tl for o in outputs for tl in o.top_logprobs],
+            prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), None),
+            num_cached_tokens=first.num_cached_tokens,
+        )

@@ -1,0 +1,56 @@
+"""What a client may ask of one generation, checked once at the edge of the engine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0  # HF/TGI: divides positive logits of seen tokens
+    frequency_penalty: float = 0.0  # OpenAI: per occurrence in the output
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    top_n_tokens: int = 0  # alternatives returned with each token's logprob
+    prompt_logprobs: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
+            (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
+            (self.top_k >= 0, "top_k must be >= 0"),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
+            (0 < self.typical_p <= 1, "typical_p must be in (0, 1]"),
+            (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+             "repetition_penalty must be > 0"),
+            (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),
+            (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
+            (self.top_n_tokens >= 0, "top_n_tokens must be >= 0"),
+            (all(self.stop), "stop sequences must not be empty"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )

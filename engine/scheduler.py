@@ -1,0 +1,255 @@
+"""Continuous batching: each step decides which tokens of which requests to compute.
+
+Running requests go first (a decode token each, or the next chunk of their prompt),
+preempting from the tail when the cache is full; then waiting requests are admitted in
+arrival order while the prefill budget and free blocks allow. TGI's
+`waiting_served_ratio` / `max_waiting_tokens` decide when a running batch is worth
+interrupting for new prefills.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import CacheConfig, SchedulerConfig
+from engine.messages import CachedRequestData, NewRequestData, StepInput, StepOutput
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    step_input: StepInput
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_admitted: int
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.step_input.num_scheduled_tokens
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_aborted: int = 0
+    num_steps: int = 0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, cache_config: CacheConfig,
+                 eos_token_ids: frozenset[int] = frozenset()):
+        if cache_config.num_blocks is None:
+            raise ValueError("cache_config.num_blocks must be known before scheduling")
+        self.config = config
+        self.eos_token_ids = eos_token_ids
+        num_blocks = cache_config.num_blocks
+        if config.max_batch_total_tokens is not None:
+            num_blocks = min(num_blocks, -(-config.max_batch_total_tokens // cache_config.block_size))
+        self.block_manager = BlockManager(num_blocks, cache_config.block_size,
+                                          cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.freed_ids: list[str] = []  # to tell the shards at the next step
+        # Finished without a step (too long for the whole cache): the engine reports them.
+        self.finished_unscheduled: list[Request] = []
+        self.steps_since_admission = 0
+        self.stats = SchedulerStats()
+
+    @property
+    def max_batch_total_tokens(self) -> int:
+        return self.block_manager.num_blocks * self.block_manager.block_size
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the policy ----------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_batch_prefill_tokens
+        scheduled: dict[str, int] = {}
+        preempted: list[str] = []
+        num_decode = 0
+        had_running = bool(self.running)
+
+        i = 0
+        while i < len(self.running):
+            request = self.running[i]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > 1:  # a prompt (or recompute) still catching up
+                num_new = min(num_new, budget)
+                if num_new == 0:
+                    i += 1
+                    continue
+            total = request.num_computed_tokens + num_new
+            while not self.block_manager.can_allocate(request.request_id, total):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                self.block_manager.allocate(request.request_id, total)
+                scheduled[request.request_id] = num_new
+                if num_new == 1:
+                    num_decode += 1
+                else:
+                    budget -= num_new
+                i += 1
+
+        num_admitted = 0
+        if self._may_admit(had_running):
+            num_admitted, budget = self._admit(scheduled, budget)
+        self.steps_since_admission = 0 if num_admitted or not had_running else (
+            self.steps_since_admission + 1)
+        num_prefill = self.config.max_batch_prefill_tokens - budget
+        return SchedulerOutput(self._make_step_input(scheduled), num_prefill, num_decode,
+                               num_admitted, preempted)
+
+    def _may_admit(self, had_running: bool) -> bool:
+        if not self.waiting:
+            return False
+        if not had_running or self.steps_since_admission >= self.config.max_waiting_tokens:
+            return True
+        min_size = math.floor(len(self.running) * self.config.waiting_served_ratio)
+        return len(self.waiting) >= min_size
+
+    def _admit(self, scheduled: dict[str, int], budget: int) -> tuple[int, int]:
+        max_size = self.config.max_batch_size
+        num_admitted = 0
+        while self.waiting and budget > 0 and (max_size is None or len(self.running) < max_size):
+            request = self.waiting[0]
+            computed, num_cached = [], 0
+            if not request.params.prompt_logprobs:  # cached tokens would have no logprobs
+                computed, num_cached = self.block_manager.get_computed_blocks(request.token_ids)
+            num_new = request.num_tokens - num_cached
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                # Without chunking a prompt goes whole. One that can never fit is
+                # refused at validation; if it got here anyway, run it alone.
+                if scheduled or num_new <= self.config.max_batch_prefill_tokens:
+                    break
+            else:
+                num_new = min(num_new, budget)
+            total = num_cached + num_new
+            if not self.block_manager.can_allocate(request.request_id, total, computed):
+                if not self.running and not scheduled:
+                    # Alone with every block free and still no room: it never will fit.
+                    self.finished_unscheduled.append(
+                        self.finish(request.request_id, FinishReason.LENGTH))
+                    continue
+                break
+            self.block_manager.allocate(request.request_id, total, computed)
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_cached
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_cached
+            self.running.append(request)
+            scheduled[request.request_id] = num_new
+            budget -= num_new
+            num_admitted += 1
+        return num_admitted, budget
+
+    def _preempt(self, request: Request) -> None:
+        """Recompute later: drop its blocks (named ones stay cached, so the recompute is
+        mostly prefix hits) and put it first in line."""
+        self.block_manager.free(request.request_id)
+        self.freed_ids.append(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_sent_tokens = request.num_sent_blocks = 0
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _make_step_input(self, scheduled: dict[str, int]) -> StepInput:
+        new, cached = [], []
+        for request_id, num_new in scheduled.items():
+            request = self.requests[request_id]
+            end = request.num_computed_tokens + num_new
+            self.block_manager.cache_full_blocks(request_id, request.token_ids, end)
+            block_ids = self.block_manager.get_block_ids(request_id)
+            if request.num_sent_tokens == 0:
+                new.append(NewRequestData(request_id, list(request.token_ids),
+                                          request.num_prompt_tokens, list(block_ids),
+                                          request.num_computed_tokens, request.params,
+                                          request.seed))
+            else:
+                cached.append(CachedRequestData(
+                    request_id, request.token_ids[request.num_sent_tokens :],
+                    block_ids[request.num_sent_blocks :], request.num_computed_tokens))
+            request.num_sent_tokens = request.num_tokens
+            request.num_sent_blocks = len(block_ids)
+            request.num_computed_tokens = end
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+        freed, self.freed_ids = self.freed_ids, []
+        self.stats.num_steps += 1
+        return StepInput(new, cached, dict(scheduled), freed)
+
+    # -- results -------------------------------------------------------------------
+    def update(self, output: StepOutput) -> list[Request]:
+        """Append sampled tokens; finish requests on eos, stop tokens or length.
+        Returns the requests that got a token (finished ones included)."""
+        updated = []
+        for row, request_id in enumerate(output.request_ids):
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            token_id = output.token_ids[row]
+            request.token_ids.append(token_id)
+            reason = self._check_stop(request, token_id)
+            if reason is not None:
+                self.finish(request_id, reason)
+            updated.append(request)
+        return updated
+
+    def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            return FinishReason.EOS_TOKEN
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP_SEQUENCE
+        if request.num_output_tokens >= params.max_new_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, request_id: str, reason: FinishReason) -> Request | None:
+        """End a request (stop, abort or error) and free its blocks at once."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        if request.num_sent_tokens:
+            self.freed_ids.append(request_id)
+        self.block_manager.free(request_id)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        if reason is FinishReason.ABORTED:
+            self.stats.num_aborted += 1
+        return request
+
+    def abort(self, request_id: str) -> Request | None:
+        return self.finish(request_id, FinishReason.ABORTED)
+
+    def check_integrity(self) -> None:
+        self.block_manager.check_integrity()
+        holders = set(self.block_manager.block_tables)
+        running = {r.request_id for r in self.running}
+        if not holders <= running:
+            raise AssertionError(f"blocks held by requests not running: {holders - running}")
