@@ -1,0 +1,159 @@
+"""Attention over a paged KV cache, one interface with several implementations.
+
+Cache layout per layer: k and v each `[num_blocks, block_size, num_kv_heads, head_dim]`,
+the layout flash kernels take with a block table. A batch mixes decodes (one query token)
+and prefill chunks (many, possibly after a cached prefix); the runner puts decodes first.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSeq:
+    start: int  # query rows [start, end) in the flat batch
+    end: int
+    context_len: int  # tokens already in the cache before this chunk
+    block_ids: torch.Tensor  # the blocks covering context_len + (end - start) tokens
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
+    num_decodes: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with 0
+    decode_seq_lens: torch.Tensor  # [num_decodes]
+    prefills: list[PrefillSeq]
+    # Varlen view of the whole batch, for flash kernels (None on the torch backend).
+    cu_seqlens_q: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+
+class AttentionBackend:
+    name = "base"
+    needs_varlen_metadata = False
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D] for the new tokens; returns [T, H, D]."""
+        raise NotImplementedError
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """[..., KVH, L, D] -> [..., H, L, D] for grouped-query attention."""
+    groups = num_heads // x.shape[-3]
+    return x if groups == 1 else x.repeat_interleave(groups, dim=-3)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The reference: plain torch, any device. Decodes in one batched SDPA over gathered
+    blocks; each prefill chunk in its own SDPA (a first chunk exactly as transformers
+    computes it, from the fresh k and v)."""
+
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        num_heads = q.shape[1]
+        n = meta.num_decodes
+        if n:
+            out[:n] = self._decode(q[:n], k_cache, v_cache, meta, scale, num_heads)
+        for seq in meta.prefills:
+            qs = q[seq.start : seq.end].transpose(0, 1)  # [H, n, D]
+            if seq.context_len == 0:
+                ks, vs = k[seq.start : seq.end], v[seq.start : seq.end]
+                mask, causal = None, True
+            else:
+                seq_len = seq.context_len + seq.end - seq.start
+                ks = k_cache[seq.block_ids].flatten(0, 1)[:seq_len]
+                vs = v_cache[seq.block_ids].flatten(0, 1)[:seq_len]
+                mask = torch.ones(seq.end - seq.start, seq_len, dtype=torch.bool,
+                                  device=q.device).tril(diagonal=seq.context_len)
+                causal = False
+            ks = _expand_kv(ks.transpose(0, 1), num_heads)
+            vs = _expand_kv(vs.transpose(0, 1), num_heads)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal,
+                                               scale=scale)
+            out[seq.start : seq.end] = o.transpose(0, 1)
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta, scale, num_heads):
+        tables = meta.decode_block_tables
+        batch = tables.shape[0]
+        # [B, blocks, block_size, KVH, D] -> [B, KVH, L, D]
+        ks = k_cache[tables].flatten(1, 2).transpose(1, 2)
+        vs = v_cache[tables].flatten(1, 2).transpose(1, 2)
+        positions = torch.arange(ks.shape[2], device=q.device)
+        mask = (positions[None, :] < meta.decode_seq_lens[:, None]).view(batch, 1, 1, -1)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), _expand_kv(ks, num_heads), _expand_kv(vs, num_heads),
+            attn_mask=mask, scale=scale)
+        return o.squeeze(2)
+
+
+class FlashAttentionBackend(AttentionBackend):
+    """CUDA: one varlen kernel call over the whole mixed batch, reading K/V straight from
+    the paged cache through the block table (vllm-flash-attn, else flash-attn)."""
+
+    name = "flash"
+    needs_varlen_metadata = True
+
+    def __init__(self) -> None:
+        self.module_name, self.fn = _import_flash()
+
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale):
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        kwargs = dict(q=q, k=k_cache, v=v_cache, cu_seqlens_q=meta.cu_seqlens_q,
+                      max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+                      softmax_scale=scale, causal=True, block_table=meta.block_tables)
+        if self.module_name == "vllm_flash_attn":
+            kwargs["seqused_k"] = meta.seq_lens
+        else:
+            kwargs["cu_seqlens_k"] = F.pad(meta.seq_lens.cumsum(0, dtype=torch.int32), (1, 0))
+        return self.fn(**kwargs)
+
+
+def _import_flash():
+    for module_name in ("vllm_flash_attn", "flash_attn"):
+        try:
+            module = importlib.import_module(module_name)
+            return module_name, module.flash_attn_varlen_func
+        except ImportError:
+            continue
+    raise ImportError("neither vllm-flash-attn nor flash-attn is installed")
+
+
+def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """'auto': flash on CUDA with fp16/bf16 when a kernel imports, torch otherwise."""
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "flash":
+        return FlashAttentionBackend()
+    if name != "auto":
+        raise ValueError(f"unknown attention backend {name!r}")
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        try:
+            return FlashAttentionBackend()
+        except ImportError as exc:
+            logger.warning("flash attention unavailable (%s); using the torch backend", exc)
+    return TorchAttentionBackend()

@@ -1,0 +1,250 @@
+"""Tensor-parallel building blocks. Each parameter knows how to load its own slice of a
+checkpoint tensor (`weight_loader`), so a rank reads only what it keeps; collectives live
+inside the layers, so the model reads as if it ran on one device."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True, slots=True)
+class TPContext:
+    rank: int = 0
+    world_size: int = 1
+
+    def shard(self, size: int) -> tuple[int, int]:
+        """(start, length) of this rank's part of a dimension split evenly."""
+        if size % self.world_size:
+            raise ValueError(f"dimension {size} does not split over {self.world_size} ranks")
+        part = size // self.world_size
+        return self.rank * part, part
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size > 1:
+            dist.all_reduce(x)
+        return x
+
+
+def _read(loaded: Any, start: int | None = None, length: int | None = None, dim: int = 0) -> torch.Tensor:
+    """Read a full tensor, or one slice of dim 0 or 1, from a tensor or a lazy
+    safetensors slice (which reads only the bytes asked for)."""
+    if start is None:
+        return loaded[:] if not isinstance(loaded, torch.Tensor) else loaded
+    if dim == 0:
+        return loaded[start : start + length]
+    return loaded[:, start : start + length]
+
+
+def _copy(param: nn.Parameter, offset: int, tensor: torch.Tensor) -> None:
+    param.data[offset : offset + tensor.shape[0]].copy_(tensor)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split across ranks; no communication.
+    `output_sizes` lists the checkpoint tensors merged into one (e.g. gate and up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool, tp: TPContext,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.output_sizes = output_sizes
+        self.local_sizes = [tp.shard(size)[1] for size in output_sizes]
+        self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(sum(self.local_sizes), dtype=dtype),
+                                     requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def shard_range(self, index: int) -> tuple[int, int, int]:
+        """(offset in this rank's param, start in the checkpoint tensor, length)."""
+        offset = sum(self.local_sizes[:index])
+        start, length = self.tp.shard(self.output_sizes[index])
+        return offset, start, length
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, index: int = 0) -> None:
+        offset, start, length = self.shard_range(index)
+        _copy(param, offset, _read(loaded, start, length))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul. Query heads split across ranks; kv heads
+    split too, or replicated when there are fewer kv heads than ranks."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool, tp: TPContext, dtype: torch.dtype):
+        self.head_dim = head_dim
+        self.num_local_heads = num_heads // tp.world_size
+        self.num_local_kv_heads = max(1, num_kv_heads // tp.world_size)
+        self.num_kv_heads = num_kv_heads
+        nn.Module.__init__(self)
+        self.tp = tp
+        if num_heads % tp.world_size:
+            raise ValueError(f"{num_heads} heads do not split over {tp.world_size} ranks")
+        if num_kv_heads >= tp.world_size and num_kv_heads % tp.world_size:
+            raise ValueError(f"{num_kv_heads} kv heads do not split over {tp.world_size} ranks")
+        q, kv = self.num_local_heads * head_dim, self.num_local_kv_heads * head_dim
+        self.local_sizes = [q, kv, kv]
+        self.weight = nn.Parameter(torch.empty(q + 2 * kv, hidden_size, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(q + 2 * kv, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def shard_range(self, index: int) -> tuple[int, int, int]:
+        offset = sum(self.local_sizes[:index])
+        length = self.local_sizes[index]
+        if index == 0:
+            return offset, self.tp.rank * length, length
+        # Rank r uses kv head r * num_kv_heads // world_size when heads are replicated.
+        kv_head = self.tp.rank * self.num_kv_heads // self.tp.world_size
+        if self.num_kv_heads >= self.tp.world_size:
+            kv_head = self.tp.rank * self.num_local_kv_heads
+        return offset, kv_head * self.head_dim, length
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split across ranks; partial sums all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TPContext,
+                 dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.start, local = tp.shard(input_size)
+        self.weight = nn.Parameter(torch.empty(output_size, local, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
+            self.bias.weight_loader = lambda param, loaded, index=0: param.data.copy_(_read(loaded))
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, index: int = 0) -> None:
+        param.data.copy_(_read(loaded, self.start, param.shape[1], dim=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows of the vocabulary split across ranks; each looks up its own and the partial
+    embeddings are summed."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPContext, dtype: torch.dtype):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.part = -(-vocab_size // tp.world_size)  # last rank may hold padding rows
+        self.start = tp.rank * self.part
+        self.weight = nn.Parameter(torch.zeros(self.part, hidden_size, dtype=dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, index: int = 0) -> None:
+        length = max(0, min(self.part, self.vocab_size - self.start))
+        _copy(param, 0, _read(loaded, self.start, length))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.part)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for this rank's vocabulary rows, gathered on rank 0 (which samples)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(hidden, self.weight)
+        if self.tp.world_size == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp.world_size)] if self.tp.rank == 0 else None
+        dist.gather(logits, parts, dst=0)
+        if self.tp.rank != 0:
+            return None
+        return torch.cat(parts, dim=-1)[:, : self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalize x + residual; also return that sum, the next residual."""
+        if residual is not None:
+            x = x + residual
+        residual = x
+        # Same op order as transformers' LlamaRMSNorm: fp32 variance, then cast.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype), residual
+
+
+class RotaryEmbedding(nn.Module):
+    """Non-interleaved RoPE (rotate_half), cos/sin precomputed for every position."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if scaling is not None:
+            inv_freq = _scale_inv_freq(inv_freq, scaling)
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # transformers computes the rotation in fp32 then casts back; same here.
+    xf = x.float()
+    half = xf.shape[-1] // 2
+    rotated = torch.cat((-xf[..., half:], xf[..., :half]), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    rope_type = scaling["rope_type"]
+    factor = float(scaling["factor"])
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type == "llama3":
+        low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+        high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+        old_context = float(scaling.get("original_max_position_embeddings", 8192))
+        low_freq_wavelen = old_context / low_freq_factor
+        high_freq_wavelen = old_context / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling {rope_type!r}")

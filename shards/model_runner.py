@@ -1,0 +1,254 @@
+"""One shard's work: the weights, the KV cache, and `step(StepInput) -> StepOutput`.
+
+It keeps a mirror of each request's tokens and block table, updated from the step diffs,
+so a decode step ships a few ints per request. Used in-process (offline engine, tests) and
+inside the Ray shard actor."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.messages import StepInput, StepOutput
+from engine.sampling_params import SamplingParams
+from shards.attention import AttentionMetadata, PrefillSeq, select_backend
+from shards.layers import TPContext
+from shards.loader import load_weights
+from shards.model import CausalLM
+from shards.model_config import ModelConfig
+from shards.sampler import SampleRow, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ShardConfig:
+    model: str
+    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype on CUDA
+    device: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None  # fixed count; else sized from memory at warmup
+    kv_cache_memory: int = 1 << 30  # bytes for the KV cache on CPU
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str = "auto"
+    cpu_threads: int | None = None  # None: every core this process may use
+
+
+@dataclass(slots=True)
+class _Seq:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    params: SamplingParams
+    seed: int
+
+
+def resolve_device(name: str) -> torch.device:
+    # Key on CUDA being usable, not on GPUs being declared: Ray may hand an actor a
+    # logical GPU on a machine that has none.
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint: torch.dtype) -> torch.dtype:
+    if name == "auto":
+        return checkpoint if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class ModelRunner:
+    def __init__(self, config: ShardConfig, tp: TPContext = TPContext()):
+        self.config = config
+        self.tp = tp
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            threads = config.cpu_threads or len(os.sched_getaffinity(0))
+            torch.set_num_threads(threads)
+        elif self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
+        self.backend = select_backend(config.attention_backend, self.device, self.dtype)
+        with torch.device(self.device):
+            self.model = CausalLM(self.model_config, tp, self.backend, self.dtype)
+        load_weights(self.model, config.model)
+        self.model.eval()
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        self.seqs: dict[str, _Seq] = {}
+
+    # -- KV cache ----------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.model.model.layers[0].self_attn.num_kv_heads
+
+    def block_bytes(self) -> int:
+        mc = self.model_config
+        per_token = 2 * mc.num_layers * self.kv_heads * mc.head_dim * self.dtype.itemsize
+        return per_token * self.config.block_size
+
+    def profile_num_blocks(self, max_batch_prefill_tokens: int) -> int:
+        """How many blocks fit: a fixed count, a CPU budget, or on CUDA what is free after
+        a forward at the largest prefill (activations peak there)."""
+        if self.config.num_blocks is not None:
+            return self.config.num_blocks
+        if self.device.type != "cuda":
+            return max(1, self.config.kv_cache_memory // self.block_bytes())
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._dummy_forward(max_batch_prefill_tokens)
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        used_by_others = total - free - torch.cuda.memory_allocated(self.device)
+        budget = total * self.config.gpu_memory_utilization - peak - used_by_others
+        return max(1, int(budget // self.block_bytes()))
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        mc = self.model_config
+        shape = (num_blocks, self.config.block_size, self.kv_heads, mc.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(mc.num_layers)
+        ]
+        self.num_blocks = num_blocks
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB per shard)", num_blocks,
+                    self.config.block_size, num_blocks * self.block_bytes() / 2**20)
+
+    def _dummy_forward(self, num_tokens: int) -> None:
+        num_tokens = min(num_tokens, self.model_config.max_position_embeddings)
+        blocks = -(-num_tokens // self.config.block_size)
+        saved = self.kv_caches
+        self.allocate_kv_cache(blocks)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        meta = self._metadata([], [(0, num_tokens, 0, list(range(blocks)))], positions, num_tokens)
+        self.model(ids, positions, self.kv_caches, meta)
+        self.kv_caches = saved
+
+    # -- the step ------------------------------------------------------------------
+    def step(self, step: StepInput) -> StepOutput | None:
+        self._apply_diff(step)
+        # Decodes first: the attention backend handles them as one batched call.
+        order = sorted(step.num_scheduled_tokens, key=lambda r: step.num_scheduled_tokens[r] != 1)
+        input_ids, positions, slots = [], [], []
+        decodes, prefills = [], []
+        logit_rows: list[int] = []  # hidden rows that need logits
+        samples: list[tuple[str, int, SampleRow]] = []  # (request, logit row, row info)
+        prompt_rows: dict[str, tuple[int, list[int]]] = {}  # request -> (first row, targets)
+        block_size = self.config.block_size
+        for request_id in order:
+            seq = self.seqs[request_id]
+            n = step.num_scheduled_tokens[request_id]
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            row0 = len(input_ids)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(seq.block_ids[p // block_size] * block_size + p % block_size
+                         for p in range(start, end))
+            if n == 1:
+                decodes.append((end, seq.block_ids))
+            else:
+                prefills.append((row0, row0 + n, start, seq.block_ids[: -(-end // block_size)]))
+            if seq.params.prompt_logprobs and start < seq.num_prompt_tokens - 1:
+                count = min(end, seq.num_prompt_tokens - 1) - start
+                prompt_rows[request_id] = (len(logit_rows), seq.token_ids[start + 1 : start + 1 + count])
+                logit_rows.extend(range(row0, row0 + count))
+            if end == len(seq.token_ids):
+                row = SampleRow(seq.params, seq.seed, end - seq.num_prompt_tokens, seq.token_ids,
+                                seq.num_prompt_tokens)
+                samples.append((request_id, len(logit_rows), row))
+                logit_rows.append(row0 + n - 1)
+            seq.num_computed_tokens = end
+        if not input_ids:
+            return None
+        dev = self.device
+        positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
+        meta = self._metadata(decodes, prefills, positions_t, len(input_ids), slots)
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), positions_t,
+                            self.kv_caches, meta)
+        logits = None
+        if logit_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
+        if self.tp.rank != 0:
+            return None
+        return _make_output(logits, samples, prompt_rows)
+
+    def _apply_diff(self, step: StepInput) -> None:
+        for request_id in step.freed_request_ids:
+            self.seqs.pop(request_id, None)
+        for new in step.new_requests:
+            self.seqs[new.request_id] = _Seq(list(new.token_ids), new.num_prompt_tokens,
+                                             list(new.block_ids), new.num_computed_tokens,
+                                             new.params, new.seed)
+        for cached in step.cached_requests:
+            seq = self.seqs[cached.request_id]
+            seq.token_ids.extend(cached.new_token_ids)
+            seq.block_ids.extend(cached.new_block_ids)
+            seq.num_computed_tokens = cached.num_computed_tokens
+
+    def _metadata(self, decodes, prefills, positions, num_tokens, slots=None) -> AttentionMetadata:
+        dev = self.device
+        if slots is None:
+            slots = list(range(num_tokens))
+        width = max((len(b) for _, b in decodes), default=0)
+        tables = torch.tensor([b + [0] * (width - len(b)) for _, b in decodes] or [[0]],
+                              dtype=torch.long, device=dev)[: len(decodes)]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decodes=len(decodes),
+            decode_block_tables=tables,
+            decode_seq_lens=torch.tensor([n for n, _ in decodes], dtype=torch.long, device=dev),
+            prefills=[PrefillSeq(s, e, c, torch.tensor(b, dtype=torch.long, device=dev))
+                      for s, e, c, b in prefills],
+        )
+        if self.backend.needs_varlen_metadata:
+            _add_varlen(meta, decodes, prefills, dev)
+        return meta
+
+    # -- health --------------------------------------------------------------------
+    def warmup(self, max_batch_prefill_tokens: int) -> int:
+        t0 = time.perf_counter()
+        num_blocks = self.profile_num_blocks(max_batch_prefill_tokens)
+        self.allocate_kv_cache(num_blocks)
+        logger.info("warmup took %.2fs", time.perf_counter() - t0)
+        return num_blocks
+
+
+def _make_output(logits: torch.Tensor | None, samples: list[tuple[str, int, SampleRow]],
+                 prompt_rows: dict[str, tuple[int, list[int]]]) -> StepOutput:
+    if logits is None:
+        return StepOutput([], [], [], [])
+    result = sample(logits[[r for _, r, _ in samples]], [info for _, _, info in samples]) \
+        if samples else None
+    prompt_logprobs = {}
+    if prompt_rows:
+        logp = logits.float().log_softmax(dim=-1)
+        for request_id, (first, targets) in prompt_rows.items():
+            rows = torch.arange(first, first + len(targets), device=logits.device)
+            target_ids = torch.tensor(targets, device=logits.device)
+            prompt_logprobs[request_id] = logp[rows, target_ids].tolist()
+    if result is None:
+        return StepOutput([], [], [], [], prompt_logprobs)
+    return StepOutput([rid for rid, _, _ in samples], result.token_ids, result.logprobs,
+                      result.top_logprobs, prompt_logprobs)
+
+
+def _add_varlen(meta: AttentionMetadata, decodes, prefills, dev) -> None:
+    q_lens = [1] * len(decodes) + [e - s for s, e, _, _ in prefills]
+    seq_lens = [n for n, _ in decodes] + [c + e - s for s, e, c, _ in prefills]
+    tables = [b for _, b in decodes] + [b for _, _, _, b in prefills]
+    width = max(len(b) for b in tables)
+    meta.cu_seqlens_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
+                                     dtype=torch.int32, device=dev)
+    meta.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    meta.block_tables = torch.tensor([b + [0] * (width - len(b)) for b in tables],
+                                     dtype=torch.int32, device=dev)
+    meta.max_seqlen_q = max(q_lens)
+    meta.max_seqlen_k = max(seq_lens)

@@ -1,0 +1,124 @@
+"""Batched sampling on rank 0: one row of logits per request that needs a token.
+
+Order as TGI (and transformers' logits processors): repetition penalty, frequency and
+presence penalties, then temperature, top-k, top-p, typical-p. Greedy rows take the argmax
+after penalties. Each sampled row draws from its own generator seeded by (request seed,
+output position), so a seeded request gives the same text whatever else is in the batch
+and after preemption. Logprobs are TGI's: log-softmax of the processed scores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRow:
+    params: SamplingParams
+    seed: int
+    position: int  # index of the output token being drawn
+    token_ids: list[int]  # prompt + output so far, for penalties
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+    scores = logits.float()
+    if any(r.params.has_penalties for r in rows):
+        scores = _apply_penalties(scores, rows)
+    temps = [r.params.temperature for r in rows]
+    sampled = [i for i, t in enumerate(temps) if t > 0]
+    tokens = scores.argmax(dim=-1)
+    if sampled:
+        idx = torch.tensor(sampled, device=scores.device)
+        warped = _warp(scores[idx], [rows[i].params for i in sampled])
+        scores = scores.index_copy(0, idx, warped)
+        probs = warped.softmax(dim=-1)
+        for j, i in enumerate(sampled):
+            gen = torch.Generator(device=scores.device).manual_seed(_mix(rows[i].seed, rows[i].position))
+            # Exponential race: argmax p / E with E ~ Exp(1) draws from p.
+            noise = torch.empty_like(probs[j]).exponential_(generator=gen)
+            tokens[i] = (probs[j] / noise).argmax()
+    logprobs = scores.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    top_n = max(r.params.top_n_tokens for r in rows)
+    top: list[list[tuple[int, float]]] = [[] for _ in rows]
+    if top_n:
+        values, ids = logprobs.topk(top_n, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+        for i, r in enumerate(rows):
+            n = r.params.top_n_tokens
+            top[i] = list(zip(ids[i][:n], values[i][:n], strict=True))
+    return SampleResult(tokens.tolist(), chosen.tolist(), top)
+
+
+def _mix(seed: int, position: int) -> int:
+    return hash((seed, position)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _apply_penalties(scores: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    scores = scores.clone()
+    for i, r in enumerate(rows):
+        p = r.params
+        if not p.has_penalties:
+            continue
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(r.token_ids)), device=scores.device)
+            s = scores[i, seen]
+            scores[i, seen] = torch.where(s > 0, s / p.repetition_penalty, s * p.repetition_penalty)
+        if p.frequency_penalty or p.presence_penalty:
+            out = r.token_ids[r.num_prompt_tokens :]
+            if out:
+                counts = torch.bincount(torch.tensor(out, device=scores.device),
+                                        minlength=scores.shape[1]).to(scores.dtype)
+                scores[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return scores
+
+
+def _warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p, typical-p; removed tokens get -inf."""
+    device = scores.device
+    temps = torch.tensor([p.temperature for p in params], device=device, dtype=scores.dtype)
+    scores = scores / temps.unsqueeze(1)
+    if any(p.top_k for p in params):
+        k = torch.tensor([p.top_k or scores.shape[1] for p in params], device=device)
+        k = k.clamp(max=scores.shape[1])
+        kth = scores.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        top_p = torch.tensor([p.top_p for p in params], device=device, dtype=scores.dtype)
+        sorted_scores, order = scores.sort(dim=-1, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - top_p).unsqueeze(1)
+        remove[:, -1] = False  # keep at least the best token
+        scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    if any(p.typical_p < 1.0 for p in params):
+        scores = _typical(scores, params)
+    return scores
+
+
+def _typical(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Locally typical sampling: keep the tokens whose surprisal is closest to the
+    entropy, up to mass typical_p (as transformers' TypicalLogitsWarper)."""
+    mass = torch.tensor([p.typical_p for p in params], device=scores.device, dtype=scores.dtype)
+    logp = scores.log_softmax(dim=-1)
+    p = logp.exp()
+    entropy = -(torch.nan_to_num(logp) * p).sum(dim=-1, keepdim=True)
+    shifted = (-logp - entropy).abs()
+    sorted_shift, order = shifted.sort(dim=-1)
+    cumulative = scores.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
+    last = (cumulative < mass.unsqueeze(1)).sum(dim=1).clamp(max=scores.shape[1] - 1)
+    remove = sorted_shift > sorted_shift.gather(1, last.unsqueeze(1))
+    remove = remove.scatter(1, order, remove)
+    keep_all = (mass >= 1.0).unsqueeze(1)
+    return scores.masked_fill(remove & ~keep_all, float("-inf"))
