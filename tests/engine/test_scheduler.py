@@ -1,0 +1,173 @@
+"""Scheduler semantics with a fake shard: TGI's knobs, chunking, preemption, abort,
+stop criteria, and that nothing can wait forever."""
+
+from __future__ import annotations
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.request import FinishReason, Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from tests.engine.fake_worker import FakeWorker, next_token
+
+EOS = 3
+
+
+def make(num_blocks=64, block_size=4, **knobs) -> tuple[Scheduler, FakeWorker]:
+    config = SchedulerConfig(**{"max_model_len": 1024, **knobs})
+    return Scheduler(config, CacheConfig(block_size, num_blocks), frozenset({EOS})), FakeWorker(block_size)
+
+
+def req(rid: str, n: int = 5, max_new: int = 50, **params) -> Request:
+    return Request(rid, [11 + i % 50 for i in range(n)],
+                   SamplingParams(max_new_tokens=max_new, **params), seed=0)
+
+
+def step(s: Scheduler, w: FakeWorker):
+    out = s.schedule()
+    result = s.update(w.step(out.step_input)) if not out.is_empty else []
+    s.check_integrity()
+    return out, result
+
+
+def test_waiting_served_ratio_and_max_waiting_tokens():
+    s, w = make(waiting_served_ratio=0.3, max_waiting_tokens=5)
+    for i in range(10):
+        s.add_request(req(f"r{i}"))
+    step(s, w)
+    assert len(s.running) == 10
+    s.add_request(req("late"))  # 1 waiting < floor(10 * 0.3): not worth a prefill yet
+    admitted_at = None
+    for i in range(10):
+        out, _ = step(s, w)
+        if "late" in out.step_input.num_scheduled_tokens:
+            admitted_at = i
+            break
+    assert admitted_at == 5  # after max_waiting_tokens decode steps
+
+
+def test_enough_waiting_requests_are_admitted_at_once():
+    s, w = make(waiting_served_ratio=0.3, max_waiting_tokens=100)
+    for i in range(10):
+        s.add_request(req(f"r{i}"))
+    step(s, w)
+    for i in range(3):
+        s.add_request(req(f"late{i}"))
+    out, _ = step(s, w)
+    assert out.num_admitted == 3
+
+
+def test_max_batch_size_and_fcfs():
+    s, w = make(max_batch_size=3)
+    for i in range(5):
+        s.add_request(req(f"r{i}", max_new=2))
+    out, _ = step(s, w)
+    assert list(out.step_input.num_scheduled_tokens) == ["r0", "r1", "r2"]
+    while s.has_unfinished_requests():
+        out, _ = step(s, w)
+        assert len(s.running) <= 3
+    first_seen = [rid for st in w.steps for rid in st.num_scheduled_tokens]
+    assert sorted(set(first_seen), key=first_seen.index) == [f"r{i}" for i in range(5)]
+
+
+def test_chunked_prefill_respects_budget_and_samples_once():
+    s, w = make(max_batch_prefill_tokens=32)
+    s.add_request(req("long", n=100, max_new=2))
+    chunks = []
+    while s.has_unfinished_requests():
+        out, updated = step(s, w)
+        chunks.append(out.step_input.num_scheduled_tokens["long"])
+        if len(chunks) < 4:
+            assert updated == []  # no token until the prompt is done
+    assert chunks == [32, 32, 32, 4, 1]
+
+
+def test_unchunked_prompt_waits_for_a_whole_budget():
+    s, w = make(max_batch_prefill_tokens=32, enable_chunked_prefill=False)
+    s.add_request(req("a", n=20))
+    s.add_request(req("b", n=20))
+    out, _ = step(s, w)
+    assert out.step_input.num_scheduled_tokens == {"a": 20}
+
+
+def test_abort_frees_blocks_at_once_and_tells_the_shards():
+    s, w = make()
+    s.add_request(req("a", n=30))
+    s.add_request(req("b", n=30))
+    step(s, w)
+    used = s.block_manager.num_used_blocks
+    s.abort("a")
+    assert s.block_manager.num_used_blocks < used
+    out, _ = step(s, w)
+    assert out.step_input.freed_request_ids == ["a"]
+    assert "a" not in w.seqs
+
+
+def test_decode_out_of_blocks_preempts_newest_and_recomputes():
+    s, w = make(num_blocks=6, block_size=4)  # 24 slots
+    s.add_request(req("old", n=7, max_new=12))
+    s.add_request(req("new", n=7, max_new=12))
+    outputs: dict[str, list[int]] = {"old": [], "new": []}
+    preempted = []
+    while s.has_unfinished_requests():
+        out, updated = step(s, w)
+        preempted += out.preempted_ids
+        for r in updated:
+            outputs[r.request_id].append(r.token_ids[-1])
+    assert preempted and preempted[0] == "new"
+    # Recompute gives the same tokens as an unconstrained run.
+    s2, w2 = make(num_blocks=64)
+    s2.add_request(req("old", n=7, max_new=12))
+    s2.add_request(req("new", n=7, max_new=12))
+    expected: dict[str, list[int]] = {"old": [], "new": []}
+    while s2.has_unfinished_requests():
+        for r in step(s2, w2)[1]:
+            expected[r.request_id].append(r.token_ids[-1])
+    assert outputs == expected
+    assert s.block_manager.num_used_blocks == 0
+
+
+def test_request_larger_than_the_cache_ends_instead_of_hanging():
+    s, w = make(num_blocks=4, block_size=4)
+    s.add_request(req("huge", n=40))
+    s.add_request(req("ok", n=4, max_new=2))
+    for _ in range(10):
+        step(s, w)
+        if not s.has_unfinished_requests():
+            break
+    assert not s.has_unfinished_requests()
+    assert [r.finish_reason for r in s.finished_unscheduled] == [FinishReason.LENGTH]
+
+
+def test_stop_criteria():
+    s, w = make()
+    prompt = [11, 12, 13]
+    s.add_request(Request("len", prompt, SamplingParams(max_new_tokens=3), seed=0))
+    s.add_request(Request("stop_id", list(prompt), SamplingParams(
+        max_new_tokens=50, stop_token_ids=(next_token(prompt),)), seed=0))
+    reasons = {}
+    while s.has_unfinished_requests():
+        for r in step(s, w)[1]:
+            if r.is_finished:
+                reasons[r.request_id] = (r.finish_reason, r.num_output_tokens)
+    assert reasons["len"] == (FinishReason.LENGTH, 3)
+    assert reasons["stop_id"] == (FinishReason.STOP_SEQUENCE, 1)
+
+
+def test_eos_and_ignore_eos():
+    s, w = make()
+    s.eos_token_ids = frozenset({next_token([11, 12, 13])})
+    s.add_request(Request("eos", [11, 12, 13], SamplingParams(max_new_tokens=5), seed=0))
+    s.add_request(Request("ign", [11, 12, 13], SamplingParams(max_new_tokens=5, ignore_eos=True),
+                          seed=0))
+    reasons = {}
+    while s.has_unfinished_requests():
+        for r in step(s, w)[1]:
+            if r.is_finished:
+                reasons[r.request_id] = (r.finish_reason, r.num_output_tokens)
+    assert reasons == {"eos": (FinishReason.EOS_TOKEN, 1), "ign": (FinishReason.LENGTH, 5)}
+
+
+def test_max_batch_total_tokens_caps_the_cache():
+    s, _ = make(num_blocks=64, block_size=4, max_batch_total_tokens=40)
+    assert s.block_manager.num_blocks == 10
+    assert s.max_batch_total_tokens == 40
