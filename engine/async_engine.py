@@ -40,6 +40,7 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         if self._loop_task is None or self._loop_task.done():
+            self._wakeup = asyncio.Event()  # events bind to the loop that first waits
             self._loop_task = asyncio.create_task(self._run_loop(), name="engine-loop")
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue

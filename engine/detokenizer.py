@@ -47,8 +47,8 @@ class IncrementalDetokenizer:
 
 class StopChecker:
     """Finds stop strings in the text as it grows, even when one spans several tokens.
-    While streaming it holds back the last len(longest stop) - 1 characters, which could be
-    the start of a stop string, so no client ever sees a stop string it then loses."""
+    While streaming it holds back the end of the text that could begin a stop string, so
+    no client ever sees text that is then trimmed away."""
 
     def __init__(self, stop: tuple[str, ...], include_stop_str: bool = False):
         self.stop = stop
@@ -76,7 +76,18 @@ class StopChecker:
 
     def take(self, finished: bool) -> str:
         """New text a client may see now."""
-        end = len(self.text) if finished else max(self.num_emitted, len(self.text) - self.holdback)
+        end = len(self.text) if finished else max(self.num_emitted,
+                                                  len(self.text) - self._partial_stop_len())
         out = self.text[self.num_emitted : end]
         self.num_emitted = end
         return out
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest end of the text that is a proper prefix of a stop."""
+        best = 0
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(self.text)), best, -1):
+                if self.text.endswith(stop[:k]):
+                    best = k
+                    break
+        return best

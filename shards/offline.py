@@ -68,9 +68,13 @@ class LLM:
             request_ids.append(request_id)
             prompt_ids.append(ids)
         collected: dict[str, list[RequestOutput]] = {r: [] for r in request_ids}
-        while self.engine.has_unfinished_requests():
+        unfinished = set(request_ids)
+        while unfinished:
             for output in self.engine.step():
-                collected[output.request_id].append(output)
+                if output.request_id in collected:  # the engine may serve others too
+                    collected[output.request_id].append(output)
+                    if output.finished:
+                        unfinished.discard(output.request_id)
         return [CompletionOutput.collect(ids, collected[r])
                 for r, ids in zip(request_ids, prompt_ids, strict=True)]
 

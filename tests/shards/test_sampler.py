@@ -1,0 +1,148 @@
+"""Sampling: warpers agree with transformers' logits processors, sampled frequencies
+follow the warped distribution, seeds are independent of the batch, logprobs agree with
+transformers' scores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from engine.sampling_params import SamplingParams
+from shards.offline import LLM
+from shards.sampler import SampleRow, _apply_penalties, _warp, sample
+from tests.reference import hf_model, make_prompts
+
+LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.5, 0.0, -0.5, -1.0, -3.0, 1.4])
+
+
+def hf_warp(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    scores = TemperatureLogitsWarper(p.temperature)(ids, scores.clone())
+    if p.top_k:
+        scores = TopKLogitsWarper(p.top_k)(ids, scores)
+    if p.top_p < 1:
+        scores = TopPLogitsWarper(p.top_p)(ids, scores)
+    if p.typical_p < 1:
+        scores = TypicalLogitsWarper(p.typical_p)(ids, scores)
+    return scores
+
+
+CASES = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=3),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=1.0, typical_p=0.6),
+    SamplingParams(temperature=0.9, top_k=5, top_p=0.9),
+]
+
+
+@pytest.mark.parametrize("params", CASES)
+def test_warpers_match_transformers(params):
+    ours = _warp(LOGITS.unsqueeze(0), [params])
+    ref = hf_warp(LOGITS.unsqueeze(0), params)
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref))
+    finite = ~torch.isinf(ref)
+    assert torch.allclose(ours[finite], ref[finite])
+
+
+def test_batched_warp_mixes_parameters_per_row():
+    rows = torch.stack([LOGITS] * len(CASES))
+    ours = _warp(rows, CASES)
+    for i, params in enumerate(CASES):
+        ref = hf_warp(LOGITS.unsqueeze(0), params)[0]
+        assert torch.equal(torch.isinf(ours[i]), torch.isinf(ref)), params
+
+
+@pytest.mark.parametrize("params", CASES)
+def test_sampled_frequencies_follow_the_distribution(params):
+    n = 6000
+    rows = [SampleRow(params, seed=s, position=0, token_ids=[1], num_prompt_tokens=1)
+            for s in range(n)]
+    result = sample(LOGITS.expand(n, -1), rows)
+    freq = torch.bincount(torch.tensor(result.token_ids), minlength=len(LOGITS)).float() / n
+    expected = hf_warp(LOGITS.unsqueeze(0), params).softmax(-1)[0]
+    assert (freq - expected).abs().max() < 0.03, (freq, expected)
+    assert freq[expected == 0].sum() == 0  # removed tokens never drawn
+
+
+def test_repetition_penalty_matches_transformers():
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+    seen = [3, 7, 7, 20, 41]
+    params = SamplingParams(repetition_penalty=1.3)
+    ours = _apply_penalties(logits, [SampleRow(params, 0, 0, seen, len(seen))])
+    ref = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([seen]), logits.clone())
+    assert torch.allclose(ours, ref)
+
+
+def test_frequency_and_presence_penalties_count_output_tokens_only():
+    logits = torch.zeros(1, 10)
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    # Prompt [1, 2]; output [2, 2, 5].
+    out = _apply_penalties(logits, [SampleRow(params, 0, 3, [1, 2, 2, 2, 5], 2)])
+    assert out[0, 1] == 0  # prompt-only token
+    assert out[0, 2] == pytest.approx(-(0.5 * 2 + 0.25))
+    assert out[0, 5] == pytest.approx(-(0.5 + 0.25))
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(llama_dir, num_blocks=128)
+
+
+def test_seeded_request_is_independent_of_batch_composition(llm):
+    prompts = make_prompts(2048, [12, 30, 5, 44, 9], seed=21)
+    seeded = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.95, seed=1234)
+    alone = llm.generate([prompts[0]], seeded)[0].token_ids
+    others = [SamplingParams(max_new_tokens=n, temperature=1.0) for n in (5, 30, 12, 18)]
+    batched = llm.generate(prompts, [seeded, *others])[0].token_ids
+    # Joined later, into a batch already decoding.
+    for p, params in zip(prompts[1:], others, strict=True):
+        llm.engine.add_request(f"bg-{id(params)}", p, params)
+    llm.engine.step()
+    late = llm.generate([prompts[0]], seeded)[0].token_ids
+    assert alone == batched == late
+    other_seed = llm.generate([prompts[0]], SamplingParams(
+        max_new_tokens=24, temperature=0.9, top_p=0.95, seed=99))[0].token_ids
+    assert other_seed != alone
+
+
+def test_top_k_1_equals_greedy(llm):
+    prompts = make_prompts(2048, [7, 33], seed=22)
+    greedy = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=20))]
+    top1 = [o.token_ids for o in llm.generate(
+        prompts, SamplingParams(max_new_tokens=20, temperature=1.5, top_k=1))]
+    assert greedy == top1
+
+
+def test_logprobs_match_transformers_scores(llm, llama_dir):
+    prompt = make_prompts(2048, [25], seed=23)[0]
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=8, top_n_tokens=3))[0]
+    with torch.inference_mode():
+        ref = hf_model(llama_dir).generate(
+            torch.tensor([prompt]), max_new_tokens=8, do_sample=False, output_scores=True,
+            return_dict_in_generate=True, attention_mask=torch.ones(1, len(prompt)))
+    for i, scores in enumerate(ref.scores):
+        logp = scores[0].log_softmax(-1)
+        assert out.logprobs[i] == pytest.approx(logp[out.token_ids[i]].item(), abs=1e-4)
+        top_ids = [t for t, _ in out.top_logprobs[i]]
+        assert top_ids == logp.topk(3).indices.tolist()
+        assert top_ids[0] == out.token_ids[i]
+
+
+def test_prompt_logprobs_match_transformers_across_chunks(llama_dir):
+    llm = LLM(llama_dir, num_blocks=64, max_batch_prefill_tokens=16)
+    prompt = make_prompts(2048, [50], seed=24)[0]
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=2, prompt_logprobs=True))[0]
+    with torch.inference_mode():
+        logits = hf_model(llama_dir)(torch.tensor([prompt])).logits[0]
+    ref = logits.log_softmax(-1)[torch.arange(49), torch.tensor(prompt[1:])]
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(prompt)
+    assert torch.allclose(torch.tensor(out.prompt_logprobs[1:]), ref, atol=1e-4)
