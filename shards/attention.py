@@ -118,8 +118,12 @@ class FlashAttentionBackend(AttentionBackend):
     name = "flash"
     needs_varlen_metadata = True
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int) -> None:
         self.module_name, self.fn = _import_flash()
+        # flash-attn's paged path wants pages of 256 tokens; vllm-flash-attn's, 16.
+        page = 256 if self.module_name == "flash_attn" else 16
+        if block_size % page:
+            raise ImportError(f"{self.module_name} needs block_size % {page} == 0, got {block_size}")
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -143,17 +147,18 @@ def _import_flash():
     raise ImportError("neither vllm-flash-attn nor flash-attn is installed")
 
 
-def select_backend(name: str, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+def select_backend(name: str, device: torch.device, dtype: torch.dtype,
+                   block_size: int = 16) -> AttentionBackend:
     """'auto': flash on CUDA with fp16/bf16 when a kernel imports, torch otherwise."""
     if name == "torch":
         return TorchAttentionBackend()
     if name == "flash":
-        return FlashAttentionBackend()
+        return FlashAttentionBackend(block_size)
     if name != "auto":
         raise ValueError(f"unknown attention backend {name!r}")
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
         try:
-            return FlashAttentionBackend()
+            return FlashAttentionBackend(block_size)
         except ImportError as exc:
             logger.warning("flash attention unavailable (%s); using the torch backend", exc)
     return TorchAttentionBackend()

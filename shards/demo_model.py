@@ -50,10 +50,8 @@ PRESETS = {
     "small": Preset(8192, 768, 12, 12, 4, 2304, 4096, 400_000),
 }
 
-_SYLLABLES = (
-    "ka ri to na mo se lu vi da pe zo gu ha ne ti ro sa bu me li ko ya fi "
-    "en an or ex ul in at el is um ar on"
-).split()
+_SYLLABLES = [c + v for c in "bdfghklmnprstvwyz" for v in "aeiou"] + [
+    v + c for v in "aeiou" for c in "lnrsx"]
 _EXTRA_TEXT = [
     "café naïve façade über straße élève garçon señor",
     "東京 大阪 中文 日本語 한국어 漢字 你好 世界",
@@ -66,7 +64,7 @@ def make_corpus(num_words: int, seed: int = 0) -> list[str]:
     """Seeded pseudo-language: a Zipf-like word list so BPE finds real merges."""
     rng = random.Random(seed)
     lexicon = [
-        "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(5000)
+        "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 4))) for _ in range(20000)
     ]
     weights = [1.0 / (rank + 1) for rank in range(len(lexicon))]
     lines = []

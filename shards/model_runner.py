@@ -74,7 +74,8 @@ class ModelRunner:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
-        self.backend = select_backend(config.attention_backend, self.device, self.dtype)
+        self.backend = select_backend(config.attention_backend, self.device, self.dtype,
+                                      config.block_size)
         with torch.device(self.device):
             self.model = CausalLM(self.model_config, tp, self.backend, self.dtype)
         load_weights(self.model, config.model)
