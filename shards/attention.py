@@ -99,16 +99,17 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _decode(q, k_cache, v_cache, meta, scale, num_heads):
         tables = meta.decode_block_tables
-        batch = tables.shape[0]
+        batch, num_kv_heads = tables.shape[0], k_cache.shape[2]
         # [B, blocks, block_size, KVH, D] -> [B, KVH, L, D]
         ks = k_cache[tables].flatten(1, 2).transpose(1, 2)
         vs = v_cache[tables].flatten(1, 2).transpose(1, 2)
         positions = torch.arange(ks.shape[2], device=q.device)
         mask = (positions[None, :] < meta.decode_seq_lens[:, None]).view(batch, 1, 1, -1)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), _expand_kv(ks, num_heads), _expand_kv(vs, num_heads),
-            attn_mask=mask, scale=scale)
-        return o.squeeze(2)
+        # GQA without copying K/V: the query heads of one kv head become that head's
+        # "query positions" (a single decode token has no causal order among them).
+        o = F.scaled_dot_product_attention(q.view(batch, num_kv_heads, -1, q.shape[-1]), ks, vs,
+                                           attn_mask=mask, scale=scale)
+        return o.reshape(batch, num_heads, -1)
 
 
 class FlashAttentionBackend(AttentionBackend):

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 @functools.lru_cache(maxsize=4)
 def hf_model(model_dir: str):
-    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def hf_greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
