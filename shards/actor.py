@@ -1,0 +1,101 @@
+"""The shard actor: one tensor-parallel rank in its own process (one GPU, or CPU).
+
+The batcher's ShardGroup creates one per rank; they meet through torch.distributed
+(NCCL on GPU, gloo on CPU) at an address rank 0 reports, then each loads only its slice of
+the weights and allocates its share of the KV cache. Every step the same StepInput object
+ref goes to all ranks; rank 0 samples and returns the StepOutput, the others None."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from engine.messages import StepInput, StepOutput
+from shards.layers import TPContext
+from shards.model_runner import ModelRunner, ShardConfig, resolve_device
+
+logger = logging.getLogger(__name__)
+
+# A collective that waits this long means a peer is gone; the group notices a dead actor
+# far sooner (Ray fails its pending call), this only bounds a stuck survivor.
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class ShardActor:
+    def __init__(self, config: ShardConfig, rank: int, world_size: int):
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.runner: ModelRunner | None = None
+        if config.cpu_threads is None and resolve_device(config.device).type == "cpu":
+            # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1 when 0): set torch's own
+            # thread count, sharing this process's cores among the ranks on the node.
+            cores = len(os.sched_getaffinity(0))
+            torch.set_num_threads(max(1, cores // world_size))
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Rank 0's node address and a free port for the process group."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def init_model(self, address: str, port: int) -> int:
+        """Join the process group, load this rank's weights; returns weight bytes held."""
+        device = resolve_device(self.config.device)
+        if self.world_size > 1:
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            if device.type == "cuda":
+                torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as device 0
+            dist.init_process_group(backend, init_method=f"tcp://{address}:{port}",
+                                    rank=self.rank, world_size=self.world_size,
+                                    timeout=COLLECTIVE_TIMEOUT)
+        self.runner = ModelRunner(self.config, TPContext(self.rank, self.world_size))
+        return self.weight_bytes()
+
+    def weight_bytes(self) -> int:
+        seen, total = set(), 0
+        for p in self.runner.model.parameters():
+            if p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                total += p.numel() * p.element_size()
+        return total
+
+    def profile_num_blocks(self, max_batch_prefill_tokens: int) -> int:
+        return self.runner.profile_num_blocks(max_batch_prefill_tokens)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def step(self, step_input: StepInput) -> StepOutput | None:
+        return self.runner.step(step_input)
+
+    def check_health(self) -> bool:
+        return self.runner is not None
+
+    def placement(self) -> dict:
+        """Where Ray put this rank: for tests and the dashboard."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            "rank": self.rank,
+            "actor_id": ctx.get_actor_id(),
+            "node_id": ctx.get_node_id(),
+            "placement_group_id": ctx.get_placement_group_id(),
+            "assigned_resources": ctx.get_assigned_resources(),
+            "gpu_ids": ray.get_gpu_ids(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "device": str(self.runner.device) if self.runner else None,
+            "torch_threads": torch.get_num_threads(),
+        }

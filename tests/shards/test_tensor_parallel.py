@@ -1,0 +1,161 @@
+"""Tensor-parallel shard actors on a real (local) Ray cluster with logical GPUs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+
+from engine.async_engine import AsyncEngine
+from engine.config import CacheConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from shards.group import ShardError, ShardGroup
+from shards.model_config import ModelConfig
+from shards.model_runner import ShardConfig
+from tests.reference import PARITY_LENGTHS, PARITY_NEW_TOKENS, hf_greedy, make_prompts
+from tests.shards.test_parity import run_staggered
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    # The dashboard is on here (about 4 s) because the placement check goes through Ray's
+    # state API, which is served by it; the other modules run without it.
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=True, log_to_driver=False,
+             configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+class GroupLLM:
+    """Just enough of shards.offline.LLM for run_staggered, over a ShardGroup."""
+
+    def __init__(self, model_dir: str, tp: int, tokenizer, num_blocks: int = 256, **knobs):
+        self.group = ShardGroup(ShardConfig(model=model_dir, num_blocks=num_blocks), tp,
+                                num_cpus_per_shard=0.5)
+        self.group.warmup(4096)
+        mc = ModelConfig.from_pretrained(model_dir)
+        self.engine = LLMEngine(SchedulerConfig(max_model_len=2048, **knobs),
+                                CacheConfig(16, self.group.num_blocks), tokenizer,
+                                mc.eos_token_ids, self.group)
+
+
+def test_tp2_equals_tp1_and_transformers_with_staggered_arrivals(llama_dir, tokenizer):
+    prompts = make_prompts(2048, PARITY_LENGTHS, seed=1)
+    outs = {}
+    for tp in (1, 2):
+        llm = GroupLLM(llama_dir, tp, tokenizer, max_batch_prefill_tokens=64)
+        outs[tp], max_running = run_staggered(llm, prompts, PARITY_NEW_TOKENS)
+        assert max_running >= 4
+        llm.group.shutdown()
+    ref = {f"r{i}": hf_greedy(llama_dir, p, n)
+           for i, (p, n) in enumerate(zip(prompts, PARITY_NEW_TOKENS, strict=True))}
+    assert outs[2] == outs[1] == ref
+
+
+def test_each_rank_holds_about_half_the_weights(llama_dir):
+    one = ShardGroup(ShardConfig(model=llama_dir, num_blocks=8), 1, num_cpus_per_shard=0.5)
+    two = ShardGroup(ShardConfig(model=llama_dir, num_blocks=8), 2, num_cpus_per_shard=0.5)
+    try:
+        full = one.weight_bytes[0]
+        for rank_bytes in two.weight_bytes:
+            assert abs(rank_bytes / (full / 2) - 1) < 0.15, (rank_bytes, full)
+    finally:
+        one.shutdown()
+        two.shutdown()
+
+
+def test_ranks_land_in_bundles_after_the_replicas_and_fall_back_to_cpu(llama_dir):
+    pg = placement_group([{"CPU": 1}, {"GPU": 1}, {"GPU": 1}])
+    ray.get(pg.ready(), timeout=30)
+
+    @ray.remote(num_cpus=1)
+    class Replica:  # stands in for the Serve replica that owns bundle 0
+        def build(self, model_dir):
+            group = ShardGroup(ShardConfig(model=model_dir, num_blocks=8), 2)
+            try:
+                return group.placements()
+            finally:
+                group.shutdown()
+
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    replica = Replica.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=0,
+        placement_group_capture_child_tasks=True)).remote()
+    try:
+        placements = ray.get(replica.build.remote(llama_dir), timeout=120)
+    finally:
+        ray.kill(replica)
+        remove_placement_group(pg)
+    pg_hex = pg.id.hex()
+    for rank, info in enumerate(placements):
+        state = _actor_state(info["actor_id"])
+        assert state.placement_group_id == pg_hex
+        # Ray names bundle-scoped resources <resource>_group_<bundle index>_<pg id>.
+        assert f"GPU_group_{rank + 1}_{pg_hex}" in state.required_resources, state
+        assert state.name == ""  # no name_prefix given
+        assert info["gpu_ids"] and info["cuda_visible_devices"] == str(info["gpu_ids"][0])
+        assert info["device"] == "cpu"  # logical GPU, no CUDA: tensors stay on CPU
+    assert {p["cuda_visible_devices"] for p in placements} == {"0", "1"}
+
+
+def _actor_state(actor_id: str):
+    from ray.util.state import get_actor
+
+    deadline = time.monotonic() + 30
+    while True:  # the state API may lag behind actor creation
+        try:
+            state = get_actor(actor_id)
+            if state is not None:
+                return state
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.5)
+
+
+def test_killing_a_shard_fails_in_flight_requests_fast_and_a_fresh_group_works(
+        llama_dir, tokenizer):
+    llm = GroupLLM(llama_dir, 2, tokenizer)
+    prompts = make_prompts(2048, [20, 35, 50, 9], seed=51)
+    params = SamplingParams(max_new_tokens=400, ignore_eos=True)
+
+    async def main():
+        engine = AsyncEngine(llm.engine, llm.group.step_async)
+        started = asyncio.Event()
+
+        async def consume(i, prompt):
+            last = None
+            async for out in engine.generate(f"q{i}", prompt, params):
+                last = out
+                if len(out.token_ids):
+                    started.set()
+            return last
+
+        tasks = [asyncio.create_task(consume(i, p)) for i, p in enumerate(prompts)]
+        await asyncio.wait_for(started.wait(), 60)
+        ray.kill(llm.group.actors[1])
+        killed_at = time.monotonic()
+        finals = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        return finals, time.monotonic() - killed_at
+
+    finals, took = asyncio.run(main())
+    assert took < 10
+    for out in finals:
+        assert out.finished and out.error and "shard rank" in out.error
+    assert not llm.group.check_health()
+    with pytest.raises(ShardError):
+        llm.group.step(llm.engine.schedule().step_input)
+    assert not llm.engine.has_unfinished_requests()
+
+    fresh = GroupLLM(llama_dir, 2, tokenizer)
+    try:
+        assert fresh.group.check_health()
+        got, _ = run_staggered(fresh, prompts[:2], [12, 12])
+        assert got == {f"r{i}": hf_greedy(llama_dir, p, 12) for i, p in enumerate(prompts[:2])}
+    finally:
+        fresh.group.shutdown()
