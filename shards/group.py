@@ -24,6 +24,10 @@ from shards.model_runner import ShardConfig
 logger = logging.getLogger(__name__)
 
 
+# How often a waiting step asks the GCS whether a rank died.
+WATCHDOG_INTERVAL_S = 1.0
+
+
 class ShardError(RuntimeError):
     """A shard died or failed a step; the group is unusable and must be replaced."""
 
@@ -31,8 +35,16 @@ class ShardError(RuntimeError):
 class ShardGroup:
     def __init__(self, config: ShardConfig, tensor_parallel_size: int = 1, *,
                  use_gpu: bool = False, num_cpus_per_shard: float = 0.0,
-                 name_prefix: str | None = None, init_timeout_s: float = 600.0):
+                 name_prefix: str | None = None, init_timeout_s: float = 600.0,
+                 compiled_graph: bool | None = None):
         self.config = config
+        # Measured (benchmarks/step_overhead.py, 2 CPU cores): a compiled graph halves a
+        # TP=2 decode step but slows TP=1, whose channel polling competes with torch for
+        # the cores. None picks what was faster: compiled for tp > 1.
+        self.use_compiled_graph = (tensor_parallel_size > 1 if compiled_graph is None
+                                   else compiled_graph)
+        self._graph = None  # compiled on first step, for that step's calling style
+        self._graph_async = False
         self.tensor_parallel_size = tensor_parallel_size
         self.healthy = False
         self.error: str | None = None
@@ -86,7 +98,35 @@ class ShardGroup:
         ref = ray.put(step_input)
         return [a.step.remote(ref) for a in self.actors]
 
+    def _compiled(self, asynchronous: bool):
+        """A Ray Compiled Graph over the ranks' step: shared-memory channels instead of an
+        object-store put and one actor call per rank (see benchmarks/step_overhead.py)."""
+        if self._graph is None:
+            from ray.dag import InputNode, MultiOutputNode
+
+            with InputNode() as inp:
+                dag = MultiOutputNode([a.step.bind(inp) for a in self.actors])
+            self._graph = dag.experimental_compile(enable_asyncio=asynchronous)
+            self._graph_async = asynchronous
+        elif self._graph_async != asynchronous:
+            raise RuntimeError("a compiled shard group is driven either sync or async, not both")
+        return self._graph
+
     def step(self, step_input: StepInput) -> StepOutput | None:
+        if self.use_compiled_graph:
+            if not self.healthy:
+                raise ShardError(self.error or "shard group is shut down")
+            try:
+                refs = self._compiled(False).execute(step_input)
+                while True:
+                    try:
+                        return ray.get(refs, timeout=WATCHDOG_INTERVAL_S)[0]
+                    except GetTimeoutError:
+                        self._raise_if_rank_dead()
+            except ShardError:
+                raise
+            except Exception as exc:  # any failure of the graph ends it: the group is done
+                raise self._fail(self._dead_rank(), exc) from exc
         pending = self._submit(step_input)
         results: dict[ray.ObjectRef, object] = {}
         refs = list(pending)
@@ -97,6 +137,45 @@ class ShardGroup:
         return results[refs[0]]
 
     async def step_async(self, step_input: StepInput) -> StepOutput | None:
+        """Like step, without blocking the event loop; a watchdog catches a rank that dies
+        while the others wait for it in a collective (their results would never come)."""
+        if not self.healthy:
+            raise ShardError(self.error or "shard group is shut down")
+        work = asyncio.ensure_future(self._step_async(step_input))
+        watchdog = asyncio.ensure_future(self._watch())
+        try:
+            done, _ = await asyncio.wait([work, watchdog], return_when=asyncio.FIRST_COMPLETED)
+            if work in done:
+                return work.result()
+            watchdog.result()  # raises the ShardError
+            raise AssertionError("unreachable: the watchdog only returns by raising")
+        finally:
+            work.cancel()
+            watchdog.cancel()
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_INTERVAL_S)
+            await asyncio.to_thread(self._raise_if_rank_dead)
+
+    def _raise_if_rank_dead(self) -> None:
+        rank = self._dead_rank()
+        if rank >= 0:
+            raise self._fail(rank, RayActorError(error_msg=f"rank {rank} is dead"))
+
+    async def _step_async(self, step_input: StepInput) -> StepOutput | None:
+        if self.use_compiled_graph:
+            try:
+                futures = await self._compiled(True).execute_async(step_input)
+                if isinstance(futures, BaseException):  # a dead channel comes back as a value
+                    raise futures
+                results = await asyncio.gather(*futures)
+                for result in results:
+                    if isinstance(result, BaseException):
+                        raise result
+                return results[0]
+            except Exception as exc:  # any failure of the graph ends it: the group is done
+                raise self._fail(self._dead_rank(), exc) from exc
         refs = self._submit(step_input)
         futures = [asyncio.ensure_future(self._await(ref, rank)) for rank, ref in enumerate(refs)]
         done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
@@ -119,11 +198,27 @@ class ShardGroup:
         except (RayActorError, RayTaskError) as exc:
             raise self._fail(rank, exc) from exc
 
+    def _dead_rank(self) -> int:
+        """The first rank the GCS reports dead (-1 if none is, yet)."""
+        from ray._private import state
+
+        for rank, actor in enumerate(self.actors):
+            info = state.actors(actor._actor_id.hex())
+            if info and info.get("State") == "DEAD":
+                return rank
+        return -1
+
     def _fail(self, rank: int, exc: Exception) -> ShardError:
-        reason = "died" if isinstance(exc, RayActorError) else "failed"
-        self.error = f"shard rank {rank} {reason}: {type(exc).__name__}: {str(exc)[:300]}"
+        if not self.healthy and self.error:  # already failed (watchdog and step both saw it)
+            return ShardError(self.error)
+        if isinstance(exc, RayActorError) or (rank >= 0 and self._dead_rank() == rank):
+            self.error = f"shard rank {rank} died (its actor process is gone)"
+        else:
+            self.error = f"shard rank {rank} failed: {type(exc).__name__}: {str(exc)[:300]}"
         logger.error(self.error)
-        # The survivors may be stuck in a collective with the dead rank: end them too.
+        # Ray tears a compiled graph down itself after a system error; waiting on that here
+        # could block on a survivor stuck in a collective with the dead rank, so just kill.
+        self._graph = None
         self.shutdown()
         return ShardError(self.error)
 
@@ -144,6 +239,12 @@ class ShardGroup:
 
     def shutdown(self) -> None:
         self.healthy = False
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            try:
+                graph.teardown(kill_actors=True)
+            except Exception:  # already torn down after an actor death
+                pass
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)
