@@ -31,6 +31,7 @@ class _OutputState:
     stop: StopChecker
     prompt_logprobs: list[float] | None = None
     prompt_logprobs_sent: bool = False
+    first_sent: bool = False
 
 
 class LLMEngine:
@@ -126,6 +127,10 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
         )
+        if not state.first_sent:
+            state.first_sent = True
+            if request.first_scheduled_time is not None:
+                result.queue_time = request.first_scheduled_time - request.arrival_time
         if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
             result.prompt_logprobs = [None, *state.prompt_logprobs]
             state.prompt_logprobs_sent = True

@@ -23,6 +23,8 @@ class RequestOutput:
     # Set once, on the output that completes the prompt: logprob of each prompt token
     # given the ones before it (None for the first).
     prompt_logprobs: list[float | None] | None = None
+    # Set once, on the first output: seconds from arrival to first scheduled.
+    queue_time: float | None = None
 
 
 @dataclass(slots=True)

@@ -200,6 +200,27 @@ def write_demo_model(out_dir: str | Path, preset: str = "tiny", arch: str = "lla
     return out
 
 
+def ensure_demo_model(path: str | Path, preset: str = "tiny") -> Path:
+    """Write the demo model at `path` unless it is there. Written aside and renamed, so
+    processes racing to create it (ingress and batcher replicas) never see half a model."""
+    path = Path(path)
+    if (path / "config.json").exists():
+        return path
+    import os
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-", dir=path.parent))
+    write_demo_model(tmp, preset)
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another process won the race: its model is the same bytes
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("out_dir")

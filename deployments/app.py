@@ -1,0 +1,30 @@
+"""The Serve application: `serve run deployments.app:build_app model=DIR ...` or the
+`import_path` of serve_config.yaml. Deployment options (replicas, autoscaling) come from
+the config's `deployments:` section; the builder sets what the model dictates."""
+
+from ray import serve
+from ray.serve import Application
+
+from deployments.batcher import Batcher
+from deployments.config import AppArgs
+from deployments.ingress import Ingress
+
+# A replica batches many requests at once: Serve's default of 5 ongoing requests per
+# replica would starve the batch. Overload past this queues at most max_queued_requests,
+# then the handle refuses and the ingress answers 503.
+BatcherDeployment = serve.deployment(
+    Batcher, name="Batcher", max_ongoing_requests=256, max_queued_requests=512,
+    health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=60,
+    graceful_shutdown_wait_loop_s=2)
+
+
+def build_app(args: AppArgs) -> Application:
+    # Serve validates against the annotation; a dict still arrives from older callers.
+    if not isinstance(args, AppArgs):
+        args = AppArgs.model_validate(args)
+    batcher = BatcherDeployment.options(
+        ray_actor_options={"num_cpus": max(args.replica_cpus, 0.01) if args.replica_cpus else 0},
+        placement_group_bundles=args.placement_group_bundles(),
+        placement_group_strategy="STRICT_PACK",
+    ).bind(args)
+    return Ingress.bind(batcher, args)

@@ -1,0 +1,107 @@
+"""The batcher deployment: one Serve replica = one engine scheduler + its shard group.
+
+The replica's placement group reserves bundle 0 for itself and one bundle per shard rank,
+so a replica and its GPUs are placed (and scaled) together. `generate` streams one
+RequestOutput per engine step per request (all the tokens that step made), and a
+cancelled stream (client gone) aborts the request, freeing its blocks before the next
+step. `check_health` fails when the engine loop or any shard is dead, so Serve replaces
+the replica and with it the shards."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from ray import serve
+from transformers import AutoTokenizer
+
+from deployments.config import DEMO_MODEL, AppArgs, token_limits
+from deployments.protocol import GenerateInput
+from engine.async_engine import AsyncEngine
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.request import FinishReason
+from shards.demo_model import ensure_demo_model
+from shards.group import ShardGroup
+from shards.model_config import ModelConfig
+
+logger = logging.getLogger("ray.serve")
+
+
+class Batcher:
+    def __init__(self, args: AppArgs):
+        self.args = args
+        if args.model == DEMO_MODEL:
+            ensure_demo_model(args.model)
+        model_config = ModelConfig.from_pretrained(args.model)
+        try:
+            context = serve.get_replica_context()
+            prefix = f"{context.app_name}-{context.replica_id.unique_id}-"
+        except Exception:  # not inside Serve (tests that build it directly)
+            prefix = None
+        self.group = ShardGroup(args.shard_config(), args.tensor_parallel_size,
+                                use_gpu=args.device == "cuda", num_cpus_per_shard=args.shard_cpus,
+                                name_prefix=prefix, compiled_graph=args.compiled_graph)
+        num_blocks = self.group.warmup(args.max_batch_prefill_tokens, args.max_batch_total_tokens)
+        _, max_total_tokens = token_limits(args, model_config.max_position_embeddings)
+        self.engine = LLMEngine(args.scheduler_config(max_total_tokens),
+                                args.cache_config(num_blocks),
+                                AutoTokenizer.from_pretrained(args.model),
+                                model_config.eos_token_ids, self.group)
+        self.engine_loop = AsyncEngine(self.engine, self.group.step_async)
+        logger.info("batcher ready: tp=%d, %d KV blocks (max_batch_total_tokens=%d)",
+                    args.tensor_parallel_size, num_blocks, self.engine.scheduler.max_batch_total_tokens)
+
+    async def generate(self, request: GenerateInput) -> AsyncIterator[RequestOutput]:
+        stream = self.engine_loop.generate(request.request_id, request.prompt_token_ids,
+                                           request.params)
+        deadline = (time.monotonic() + self.args.request_timeout
+                    if self.args.request_timeout else None)
+        try:
+            while True:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    output = await asyncio.wait_for(anext(stream), timeout)
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    yield RequestOutput(request.request_id, finished=True,
+                                        finish_reason=FinishReason.ERROR,
+                                        error=f"request timed out after {self.args.request_timeout:g} s")
+                    return
+                yield output
+                if output.finished:
+                    return
+        finally:
+            await stream.aclose()  # aborts the request unless it finished
+
+    async def check_health(self) -> None:
+        if not self.group.healthy:
+            raise RuntimeError(f"shards unhealthy: {self.group.error}")
+        if self.engine_loop.last_error and not self.group.healthy:
+            raise RuntimeError(f"engine loop failed: {self.engine_loop.last_error}")
+        if not await asyncio.to_thread(self.group.check_health):
+            raise RuntimeError(f"shards unhealthy: {self.group.error}")
+
+    async def stats(self) -> dict:
+        scheduler = self.engine.scheduler
+        bm = scheduler.block_manager
+        return {
+            "healthy": self.group.healthy,
+            "num_running": len(scheduler.running),
+            "num_waiting": len(scheduler.waiting),
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_total": bm.num_blocks,
+            "max_batch_total_tokens": scheduler.max_batch_total_tokens,
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+            "preemptions": scheduler.stats.num_preemptions,
+            "aborted": scheduler.stats.num_aborted,
+        }
+
+    def __del__(self):
+        group = getattr(self, "group", None)
+        if group is not None:
+            group.shutdown()

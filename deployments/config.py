@@ -1,0 +1,101 @@
+"""Builder arguments: every knob by name, typed and checked before any cluster starts.
+
+`serve run deployments.app:build_app model=DIR tensor_parallel_size=2` passes strings;
+pydantic converts them and rejects bad values with a clear message. The same names are
+the keys of `args:` in serve_config.yaml."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from engine.config import CacheConfig, SchedulerConfig
+from shards.model_runner import ShardConfig
+
+DEMO_MODEL = "models/demo-tiny"
+
+
+class AppArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
+
+    model: str = Field(DEMO_MODEL, description="Hugging Face model directory")
+    served_model_name: str | None = None
+    tensor_parallel_size: int = Field(1, ge=1)
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: str = "auto"
+    # Engine (TGI's names).
+    max_batch_prefill_tokens: int = Field(4096, ge=1)
+    max_batch_total_tokens: int | None = Field(None, ge=1)
+    max_batch_size: int | None = Field(None, ge=1)
+    waiting_served_ratio: float = Field(0.3, ge=0)
+    max_waiting_tokens: int = Field(20, ge=0)
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    block_size: int = Field(16, ge=1)
+    num_blocks: int | None = Field(None, ge=1)
+    kv_cache_memory: int = Field(1 << 30, ge=1 << 20, description="bytes of KV cache (CPU)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    attention_backend: Literal["auto", "torch", "flash"] = "auto"
+    cpu_threads: int | None = Field(None, ge=1)
+    compiled_graph: bool | None = None
+    # Server limits (TGI's names and defaults).
+    max_concurrent_requests: int = Field(128, ge=1)
+    max_input_tokens: int | None = Field(None, ge=1)
+    max_total_tokens: int | None = Field(None, ge=2)
+    max_stop_sequences: int = Field(4, ge=0)
+    max_best_of: int = Field(2, ge=1)
+    max_top_n_tokens: int = Field(5, ge=0)
+    max_n: int = Field(8, ge=1, description="largest OpenAI `n`")
+    payload_limit: int = Field(2_000_000, ge=1024, description="bytes")
+    request_timeout: float | None = Field(None, gt=0, description="seconds per request")
+    api_key: str | None = Field(None, repr=False)
+    # Placement: logical CPUs reserved for the batcher replica and for each CPU shard.
+    replica_cpus: float = Field(0.1, ge=0)
+    shard_cpus: float = Field(0.1, gt=0)
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> AppArgs:
+        if (self.max_input_tokens and self.max_total_tokens
+                and self.max_input_tokens >= self.max_total_tokens):
+            raise ValueError("max_input_tokens must be < max_total_tokens")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model.rstrip("/").split("/")[-1]
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_batch_prefill_tokens=self.max_batch_prefill_tokens,
+            max_batch_total_tokens=self.max_batch_total_tokens,
+            max_batch_size=self.max_batch_size,
+            waiting_served_ratio=self.waiting_served_ratio,
+            max_waiting_tokens=self.max_waiting_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            max_model_len=max_model_len)
+
+    def cache_config(self, num_blocks: int) -> CacheConfig:
+        return CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching)
+
+    def shard_config(self) -> ShardConfig:
+        return ShardConfig(
+            model=self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
+            num_blocks=self.num_blocks, kv_cache_memory=self.kv_cache_memory,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            attention_backend=self.attention_backend, cpu_threads=self.cpu_threads)
+
+    def placement_group_bundles(self) -> list[dict[str, float]]:
+        """Bundle 0 holds the batcher replica, bundle i + 1 shard rank i."""
+        shard = {"GPU": 1.0} if self.device == "cuda" else {"CPU": self.shard_cpus}
+        return [{"CPU": max(self.replica_cpus, 0.01)}] + [dict(shard)] * self.tensor_parallel_size
+
+
+def token_limits(args: AppArgs, max_position_embeddings: int) -> tuple[int, int]:
+    """(max_input_tokens, max_total_tokens) as TGI derives them when unset."""
+    max_total = args.max_total_tokens or max_position_embeddings
+    max_total = min(max_total, max_position_embeddings)
+    max_input = args.max_input_tokens or max_total - 1
+    if not args.enable_chunked_prefill:
+        max_input = min(max_input, args.max_batch_prefill_tokens)
+    return min(max_input, max_total - 1), max_total

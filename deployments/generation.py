@@ -1,0 +1,104 @@
+"""Calling the batcher from the ingress: one streamed generation, collected or relayed.
+
+The ingress cancels the handle's generator whenever it stops reading before the end
+(error, client gone, a sibling `best_of` sequence failed): otherwise the batcher would go
+on generating for nobody."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from deployments.protocol import GenerateInput
+from engine.outputs import RequestOutput
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+
+
+class GenerationError(RuntimeError):
+    """The model failed this request (TGI answers 424 `generation`)."""
+
+
+@dataclass(slots=True)
+class Generation:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    prompt_logprobs: list[float | None] | None = None
+    queue_time: float = 0.0
+    start: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    end: float | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        if output.error is not None:
+            raise GenerationError(output.error)
+        if output.token_ids and self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.token_ids += output.token_ids
+        self.token_texts += output.token_texts
+        self.logprobs += output.logprobs
+        self.top_logprobs += output.top_logprobs
+        self.text += output.text
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
+        if output.queue_time is not None:
+            self.queue_time = output.queue_time
+        if output.finished:
+            self.finish_reason = output.finish_reason
+            self.end = time.monotonic()
+            if output.finish_reason is FinishReason.ABORTED:
+                raise GenerationError("request aborted")
+            if not self.token_ids:
+                raise GenerationError("generation ended without producing a token")
+
+    @property
+    def sum_logprob(self) -> float:
+        return sum(self.logprobs)
+
+    @property
+    def inference_time(self) -> float:
+        return max(0.0, (self.end or time.monotonic()) - self.start - self.queue_time)
+
+
+def new_request_id(prefix: str = "") -> str:
+    return prefix + uuid.uuid4().hex
+
+
+def reseeded(params: SamplingParams) -> SamplingParams:
+    """The same request with a fresh seed: one more independent sample (best_of)."""
+    return dataclasses.replace(params, seed=random.getrandbits(63))
+
+
+async def stream(batcher, generation: Generation) -> AsyncIterator[RequestOutput]:
+    """Relay the batcher's outputs, adding each to `generation` (which raises on error)."""
+    responses = batcher.generate.remote(
+        GenerateInput(generation.request_id, generation.prompt_token_ids, generation.params))
+    finished = False
+    try:
+        async for output in responses:
+            generation.add(output)
+            finished = output.finished
+            yield output
+            if finished:
+                return
+        raise GenerationError("the batcher closed the stream early")
+    finally:
+        if not finished:
+            responses.cancel()
+
+
+async def collect(batcher, generation: Generation) -> Generation:
+    async for _ in stream(batcher, generation):
+        pass
+    return generation
