@@ -95,6 +95,8 @@ def _prompts(ingress: Ingress, req: CompletionRequest | ChatRequest, chat: bool)
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return [tok(text, add_special_tokens=False).input_ids]
     prompt = req.prompt
+    if prompt == "" or (isinstance(prompt, list) and any(p == "" for p in prompt)):
+        raise BadRequest("prompt must not be empty")
     if isinstance(prompt, str):
         prompts = [tok(prompt).input_ids]
     elif prompt and isinstance(prompt[0], int):

@@ -1,0 +1,223 @@
+"""The Serve app over real HTTP: TGI's validation rules with their status codes and
+messages, limits, auth, OpenAI's error shape, and what a dead shard does to a request."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from deployments.app import build_app
+from deployments.config import AppArgs
+
+PORT = 8123
+BASE = f"http://127.0.0.1:{PORT}"
+KEY = "sekret-key"
+
+
+@pytest.fixture(scope="module")
+def app(llama_dir):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    serve.run(build_app(AppArgs(model=llama_dir, max_input_tokens=64, max_total_tokens=128,
+                                payload_limit=65536, num_blocks=256)),
+              name="main", route_prefix="/")
+    serve.run(build_app(AppArgs(model=llama_dir, api_key=KEY, max_concurrent_requests=1,
+                                num_blocks=256)),
+              name="locked", route_prefix="/locked")
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+def post(path: str, payload, **kw) -> httpx.Response:
+    return httpx.post(BASE + path, json=payload, timeout=60, **kw)
+
+
+VALIDATION = [
+    ({"temperature": 0.0}, "`temperature` must be strictly positive"),
+    ({"temperature": -1.0}, "`temperature` must be strictly positive"),
+    ({"top_p": 1.0}, "`top_p` must be > 0.0 and < 1.0"),
+    ({"top_p": 0.0}, "`top_p` must be > 0.0 and < 1.0"),
+    ({"typical_p": 1.5}, "`typical_p` must be > 0.0 and < 1.0"),
+    ({"top_k": 0}, "`top_k` must be strictly positive"),
+    ({"repetition_penalty": 0.0}, "`repetition_penalty` must be strictly positive"),
+    ({"frequency_penalty": 2.5}, "`frequency_penalty` must be >= -2.0 and <= 2.0"),
+    ({"max_new_tokens": 0}, "`max_new_tokens` must be strictly positive"),
+    ({"max_new_tokens": 200},
+     "`inputs` tokens + `max_new_tokens` must be <= 128. Given: 7 `inputs` tokens and 200 "
+     "`max_new_tokens`"),
+    ({"truncate": 0}, "`truncate` must be strictly positive and less than 64. Given: 0"),
+    ({"truncate": 65}, "`truncate` must be strictly positive and less than 64. Given: 65"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "`stop` supports up to 4 stop sequences. Given: 5"),
+    ({"best_of": 3, "do_sample": True}, "`best_of` must be > 0 and <= 2. Given: 3"),
+    ({"best_of": 2}, "you must use sampling when `best_of` is > 1"),
+    ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` > 1"),
+    ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
+]
+
+
+@pytest.mark.parametrize(("parameters", "message"), VALIDATION)
+def test_validation_rules(app, parameters, message):
+    r = post("/generate", {"inputs": "Hello world", "parameters": {"max_new_tokens": 4, **parameters}})
+    assert r.status_code == 422
+    assert r.json() == {"error": message, "error_type": "validation"}
+
+
+def test_input_length_rules(app):
+    long_text = " ".join(["kari"] * 100)
+    r = post("/generate", {"inputs": long_text, "parameters": {"max_new_tokens": 1}})
+    assert r.status_code == 422
+    assert r.json()["error"].startswith("`inputs` tokens + `max_new_tokens` must be <= 128")
+    r = post("/generate", {"inputs": " ".join(["kari"] * 40), "parameters": {"max_new_tokens": 1}})
+    assert r.status_code == 422
+    assert r.json()["error"].startswith("`inputs` must have less than 64 tokens. Given: ")
+    r = post("/generate", {"inputs": "", "parameters": {"max_new_tokens": 1}})
+    assert (r.status_code, r.json()["error"]) == (422, "`inputs` cannot be empty")
+
+
+def test_streaming_only_rules(app):
+    for params, message in (
+        ({"best_of": 2, "do_sample": True}, "`best_of` != 1 is not supported when streaming tokens"),
+        ({"decoder_input_details": True},
+         "`decoder_input_details` == true is not supported when streaming tokens"),
+    ):
+        r = post("/generate_stream", {"inputs": "Hi", "parameters": {"max_new_tokens": 2, **params}})
+        assert r.status_code == 422 and r.json() == {"error": message, "error_type": "validation"}
+
+
+@pytest.mark.parametrize("body", [
+    b'{"inputs": "hi", "parameters": {"temperature": NaN}}',
+    b'{"inputs": "hi", "parameters": {"top_p": Infinity}}',
+    b'{"inputs": "\xff\xfe bad utf8"}',
+    b'{"inputs": "hi", "parameters": {"max_new_tokens": "many"}}',
+    b'{"inputs": "hi", "parameters": {"max_new_tokens": -5}}',
+    b'{"parameters": {}}',
+    b'not json',
+])
+def test_malformed_bodies_are_422(app, body):
+    r = httpx.post(BASE + "/generate", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422
+    assert r.json()["error_type"] == "validation" and r.json()["error"]
+
+
+def test_payload_limit_is_413(app):
+    r = post("/generate", {"inputs": "x" * 100_000})
+    assert r.status_code == 413
+    assert r.json()["error_type"] == "payload_limit"
+
+
+def test_generate_headers_and_details(app):
+    r = post("/generate", {"inputs": "Hello world", "parameters": {
+        "max_new_tokens": 5, "details": True, "decoder_input_details": True, "top_n_tokens": 2}})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["details"]["generated_tokens"] == len(body["details"]["tokens"]) == 5
+    assert body["details"]["prefill"][0]["logprob"] is None
+    assert all(len(t) == 2 for t in body["details"]["top_tokens"])
+    for header in ("x-compute-time", "x-queue-time", "x-inference-time", "x-time-per-token",
+                   "x-prompt-tokens", "x-generated-tokens"):
+        assert header in r.headers
+    assert r.headers["x-generated-tokens"] == "5"
+    assert int(r.headers["x-prompt-tokens"]) == len(body["details"]["prefill"])
+
+
+def test_tokenize_and_info(app, tokenizer):
+    r = post("/tokenize", {"inputs": "Hello kari"})
+    assert [t["id"] for t in r.json()] == tokenizer("Hello kari").input_ids
+    info = httpx.get(BASE + "/info").json()
+    assert info["max_input_tokens"] == 64 and info["max_total_tokens"] == 128
+
+
+def test_openai_errors_use_openai_shape(app):
+    for payload in (
+        {"model": "m", "prompt": "hi", "temperature": 3},
+        {"model": "m", "prompt": "hi", "n": 100},
+        {"model": "m", "prompt": "hi", "max_tokens": 1000},
+        {"model": "m", "prompt": ""},
+        {"model": "m", "messages": []},
+    ):
+        path = "/v1/chat/completions" if "messages" in payload else "/v1/completions"
+        r = post(path, payload)
+        assert r.status_code == 400, (payload, r.text)
+        assert set(r.json()["error"]) >= {"message", "type"}
+
+
+def test_api_key_guards_every_route_but_health(app):
+    for method, path, body in (("POST", "/locked/generate", {"inputs": "hi"}),
+                               ("GET", "/locked/info", None), ("GET", "/locked/metrics", None),
+                               ("GET", "/locked/v1/models", None),
+                               ("POST", "/locked/v1/completions", {"model": "m", "prompt": "hi"})):
+        r = httpx.request(method, BASE + path, json=body, timeout=30)
+        assert r.status_code == 401, path
+        r = httpx.request(method, BASE + path, json=body, timeout=30,
+                          headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401, path
+    assert httpx.get(BASE + "/locked/health", timeout=30).status_code == 200
+    r = post("/locked/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2}},
+             headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200
+
+
+def test_past_max_concurrent_requests_is_429(app):
+    started = threading.Event()
+    done = threading.Event()
+
+    def long_stream():
+        with httpx.stream("POST", BASE + "/locked/generate_stream", timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"},
+                          json={"inputs": "hi", "parameters": {"max_new_tokens": 300}}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    started.set()
+                    if done.is_set():
+                        break
+
+    t = threading.Thread(target=long_stream)
+    t.start()
+    try:
+        assert started.wait(30)
+        r = post("/locked/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 2}},
+                 headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 429
+        assert r.json() == {"error": "Model is overloaded", "error_type": "overloaded"}
+    finally:
+        done.set()
+        t.join(60)
+
+
+def test_dead_shard_gives_424_then_unhealthy(app):
+    """Last in the module: it breaks the main app's replica."""
+    prefix = "main-"
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if isinstance(a, dict) and a["name"].startswith(prefix) and "shard-0" in a["name"]]
+    assert names, "shard actors are named <app>-<replica>-shard-<rank>"
+    results = {}
+
+    def generate():
+        results["r"] = post("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 100}})
+
+    t = threading.Thread(target=generate)
+    t.start()
+    time.sleep(0.3)
+    namespace = next(a["namespace"] for a in ray.util.list_named_actors(all_namespaces=True)
+                     if a["name"] == names[0])
+    ray.kill(ray.get_actor(names[0], namespace=namespace))
+    t.join(30)
+    r = results["r"]
+    if r.status_code == 200:  # finished before the kill landed: the next one must fail
+        r = post("/generate", {"inputs": "hi", "parameters": {"max_new_tokens": 5}})
+    assert r.status_code == 424, r.text
+    assert r.json()["error_type"] == "generation"
+    deadline = time.monotonic() + 20
+    health = httpx.get(BASE + "/health", timeout=30)
+    while health.status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        health = httpx.get(BASE + "/health", timeout=30)
+    assert health.status_code == 503
+    assert json.loads(health.text)["error_type"] == "healthcheck"
