@@ -1,0 +1,163 @@
+"""`serve run` as a user starts it, driven by the official `text-generation` and `openai`
+clients; outputs must equal the offline engine's, token for token."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+from text_generation import AsyncClient, Client
+
+from engine.sampling_params import SamplingParams
+from shards.offline import LLM
+
+BASE = "http://127.0.0.1:8000"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
+           "RAY_ENABLE_AUTO_CONNECT": "0"}
+    serve_bin = Path(sys.executable).with_name("serve")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(serve_bin), "run", "deployments.app:build_app",
+                                 f"model={llama_dir}", "num_blocks=1024"],
+                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"serve run exited early:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(BASE + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"serve run not healthy in time:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGINT)  # as a user stops it
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def offline(llama_dir):
+    return LLM(llama_dir, num_blocks=512)
+
+
+PROMPTS = ["Hello kari", "Tona sefi mole dasu", "東京 😀 café", "ka", "Zuti guyoyi fiul eesordi"]
+
+
+def greedy(offline: LLM, prompt: str, n: int) -> list[int]:
+    return offline.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=False))[0].token_ids
+
+
+def test_text_generation_client(server, offline):
+    client = Client(BASE, timeout=60)
+    for prompt in PROMPTS[:3]:
+        response = client.generate(prompt, max_new_tokens=12)
+        ids = [t.id for t in response.details.tokens]
+        assert ids == greedy(offline, prompt, 12)
+        assert response.details.generated_tokens == len(ids)
+        streamed = list(client.generate_stream(prompt, max_new_tokens=12))
+        assert [s.token.id for s in streamed] == ids
+        assert streamed[-1].generated_text == response.generated_text
+        assert streamed[-1].details.finish_reason == response.details.finish_reason
+
+
+def test_openai_client(server, offline, tokenizer):
+    client = OpenAI(base_url=BASE + "/v1", api_key="unused")
+    assert client.models.list().data[0].id
+    prompt = PROMPTS[1]
+    expected = offline.tokenizer.decode(greedy(offline, prompt, 10), skip_special_tokens=True)
+    completion = client.completions.create(model="m", prompt=prompt, max_tokens=10, temperature=0)
+    assert completion.choices[0].text == expected
+    assert completion.usage.completion_tokens == 10 or completion.choices[0].finish_reason == "stop"
+    stream = client.completions.create(model="m", prompt=prompt, max_tokens=10, temperature=0,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream) == expected
+
+    messages = [{"role": "user", "content": "Tona sefi?"}]
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    chat_expected = offline.generate([chat_ids], SamplingParams(max_new_tokens=10))[0].text
+    chat = client.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0)
+    assert chat.choices[0].message.content == chat_expected
+    assert chat.usage.prompt_tokens == len(chat_ids)
+    chunks = list(client.chat.completions.create(
+        model="m", messages=messages, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_expected
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+def test_64_concurrent_greedy_requests_equal_offline(server, offline):
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(64)]
+    lengths = [4 + (i * 7) % 20 for i in range(64)]
+
+    async def main():
+        client = AsyncClient(BASE, timeout=120)
+        return await asyncio.gather(*(client.generate(p, max_new_tokens=n)
+                                      for p, n in zip(prompts, lengths, strict=True)))
+
+    responses = asyncio.run(main())
+    expected = offline.generate(prompts, [SamplingParams(max_new_tokens=n) for n in lengths])
+    for response, ref in zip(responses, expected, strict=True):
+        assert [t.id for t in response.details.tokens] == ref.token_ids
+
+
+def metric(name: str) -> int:
+    text = httpx.get(BASE + "/metrics", timeout=10).text
+    return int(re.search(rf"^{name} (\d+)", text, re.M).group(1))
+
+
+def kv_blocks_used() -> int:
+    return metric("raygen_kv_blocks_used")
+
+
+def test_disconnected_streams_free_their_blocks(server, offline):
+    async def read_three_then_close(client: httpx.AsyncClient, i: int) -> int:
+        seen = 0
+        async with client.stream("POST", BASE + "/generate_stream", json={
+                "inputs": f"{PROMPTS[0]} {i}", "parameters": {"max_new_tokens": 500}}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    seen += 1
+                    if seen == 3:
+                        break
+        return seen
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            bystander = asyncio.ensure_future(client.post(BASE + "/generate", json={
+                "inputs": PROMPTS[2], "parameters": {"max_new_tokens": 40, "details": True}}))
+            seen = await asyncio.gather(*(read_three_then_close(client, i) for i in range(16)))
+            return seen, await bystander
+
+    aborted_before = metric("raygen_aborted_requests_total")
+    seen, bystander = asyncio.run(main())
+    assert seen == [3] * 16
+    assert [t["id"] for t in bystander.json()["details"]["tokens"]] == greedy(offline, PROMPTS[2], 40)
+    deadline = time.monotonic() + 5
+    while kv_blocks_used() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert kv_blocks_used() == 0
+    # Freed because they were aborted, not because 500 tokens each had time to finish.
+    assert metric("raygen_aborted_requests_total") - aborted_before == 16
