@@ -88,7 +88,13 @@ class Batcher:
     async def stats(self) -> dict:
         scheduler = self.engine.scheduler
         bm = scheduler.block_manager
+        try:
+            scheduler.check_integrity()
+            integrity = "ok"
+        except AssertionError as exc:
+            integrity = str(exc)
         return {
+            "integrity": integrity,
             "healthy": self.group.healthy,
             "num_running": len(scheduler.running),
             "num_waiting": len(scheduler.waiting),

@@ -6,6 +6,7 @@ on generating for nobody."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 import time
@@ -21,6 +22,10 @@ from engine.sampling_params import SamplingParams
 
 class GenerationError(RuntimeError):
     """The model failed this request (TGI answers 424 `generation`)."""
+
+
+class ReplicaUnavailable(GenerationError):
+    """The batcher replica serving this request went away (answered 503)."""
 
 
 @dataclass(slots=True)
@@ -86,12 +91,18 @@ async def stream(batcher, generation: Generation) -> AsyncIterator[RequestOutput
         GenerateInput(generation.request_id, generation.prompt_token_ids, generation.params))
     finished = False
     try:
-        async for output in responses:
-            generation.add(output)
-            finished = output.finished
-            yield output
-            if finished:
-                return
+        try:
+            async for output in responses:
+                generation.add(output)
+                finished = output.finished
+                yield output
+                if finished:
+                    return
+        except (GenerationError, asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as exc:  # the replica died or Serve refused the call
+            raise ReplicaUnavailable(f"batcher unavailable: {type(exc).__name__}: "
+                                     f"{str(exc)[:300]}") from exc
         raise GenerationError("the batcher closed the stream early")
     finally:
         if not finished:

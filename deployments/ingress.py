@@ -25,6 +25,7 @@ from deployments.config import DEMO_MODEL, AppArgs, token_limits
 from deployments.generation import (
     Generation,
     GenerationError,
+    ReplicaUnavailable,
     collect,
     new_request_id,
     reseeded,
@@ -116,6 +117,8 @@ class Ingress:
             status, message, error_type = 422, str(exc), "validation"
         elif isinstance(exc, PydanticError):
             status, message, error_type = 422, tgi.pydantic_message(exc), "validation"
+        elif isinstance(exc, ReplicaUnavailable):
+            status, message, error_type = 503, str(exc), "generation"
         elif isinstance(exc, GenerationError):
             status, message, error_type = 424, str(exc), "generation"
         else:
@@ -243,6 +246,9 @@ class Ingress:
                     yield sse(event)
         except GenerationError as exc:
             yield sse(tgi.error_json(str(exc), "generation"))
+        except Exception as exc:  # never cut a stream without saying why
+            logger.exception("stream failed")
+            yield sse(tgi.error_json(f"{type(exc).__name__}: {exc}"[:500], "generation"))
         finally:
             self._release()
 

@@ -1,0 +1,214 @@
+"""Faults and overload on a live Serve app: disconnect storms, KV exhaustion, deadlines,
+a shard or a whole batcher replica dying. Nothing accepted may hang or vanish."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import threading
+import time
+
+import httpx
+import pytest
+import ray
+from ray import serve
+
+from deployments.app import build_app
+from deployments.config import AppArgs
+from engine.sampling_params import SamplingParams
+from shards.offline import LLM
+
+PORT = 8124
+BASE = f"http://127.0.0.1:{PORT}"
+
+
+@pytest.fixture(scope="module")
+def apps(llama_dir):
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    serve.run(build_app(AppArgs(model=llama_dir, max_concurrent_requests=512, num_blocks=1024,
+                                max_total_tokens=512)), name="faults", route_prefix="/")
+    serve.run(build_app(AppArgs(model=llama_dir, num_blocks=32, max_total_tokens=128)),
+              name="kv", route_prefix="/kv")
+    serve.run(build_app(AppArgs(model=llama_dir, request_timeout=1.0, num_blocks=512)),
+              name="slow", route_prefix="/slow")
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(llama_dir):
+    return LLM(llama_dir, num_blocks=1024)
+
+
+def stats(app: str) -> dict:
+    return serve.get_deployment_handle("Batcher", app_name=app).stats.remote().result()
+
+
+def wait_for_free_blocks(app: str, timeout: float = 10) -> dict:
+    deadline = time.monotonic() + timeout
+    s = stats(app)
+    while s["kv_blocks_used"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+        s = stats(app)
+    return s
+
+
+def events(lines: list[str]) -> list[dict]:
+    return [json.loads(line[5:]) for line in lines if line.startswith("data:")]
+
+
+def test_disconnect_storm(apps, offline, tokenizer):
+    rng = random.Random(7)
+    prompts = [f"kari tona {i} sefi" for i in range(200)]
+    lengths = [rng.randint(8, 24) for _ in prompts]
+    close_after = {i: rng.randint(1, 6) for i in rng.sample(range(200), 100)}
+
+    async def one(client: httpx.AsyncClient, i: int) -> list[dict]:
+        got = []
+        async with client.stream("POST", BASE + "/generate_stream", json={
+                "inputs": prompts[i], "parameters": {"max_new_tokens": lengths[i]}}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    got.append(json.loads(line[5:]))
+                    if len(got) == close_after.get(i, -1):
+                        break
+        return got
+
+    async def main():
+        limits = httpx.Limits(max_connections=250)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(200)))
+
+    results = asyncio.run(main())
+    kept = [i for i in range(200) if i not in close_after]
+    expected = offline.generate([prompts[i] for i in kept],
+                                [SamplingParams(max_new_tokens=lengths[i]) for i in kept])
+    for i, ref in zip(kept, expected, strict=True):
+        assert [e["token"]["id"] for e in results[i]] == ref.token_ids, i
+        assert results[i][-1]["details"]["finish_reason"] in ("length", "eos_token")
+    s = wait_for_free_blocks("faults")
+    assert s["kv_blocks_used"] == 0
+    assert s["integrity"] == "ok"
+    assert s["num_running"] == s["num_waiting"] == 0
+
+
+def test_kv_exhaustion_preempts_and_everything_finishes_correctly(apps, offline):
+    prompts = [f"tona sefi mole {i}" for i in range(64)]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=100)) as c:
+            return await asyncio.gather(*(c.post(BASE + "/kv/generate", json={
+                "inputs": p, "parameters": {"max_new_tokens": 60, "details": True}})
+                for p in prompts))
+
+    responses = asyncio.run(main())
+    expected = offline.generate(prompts, SamplingParams(max_new_tokens=60))
+    for response, ref in zip(responses, expected, strict=True):
+        assert response.status_code == 200, response.text
+        assert [t["id"] for t in response.json()["details"]["tokens"]] == ref.token_ids
+    s = wait_for_free_blocks("kv")
+    assert s["preemptions"] > 0 and s["kv_blocks_total"] == 32
+    assert s["kv_blocks_used"] == 0 and s["integrity"] == "ok"
+
+
+def test_request_timeout_ends_the_request_and_frees_blocks(apps):
+    t0 = time.monotonic()
+    r = httpx.post(BASE + "/slow/generate", timeout=60,
+                   json={"inputs": "kari", "parameters": {"max_new_tokens": 2000}})
+    assert r.status_code == 424
+    assert r.json() == {"error": "request timed out after 1 s", "error_type": "generation"}
+    assert time.monotonic() - t0 < 10
+    assert wait_for_free_blocks("slow")["kv_blocks_used"] == 0
+
+
+def shard_actor_names(app: str) -> list[tuple[str, str]]:
+    return sorted((a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith(f"{app}-") and "-shard-" in a["name"])
+
+
+def wait_until_serving(path: str, timeout: float = 60) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        try:
+            r = httpx.post(BASE + path, timeout=30,
+                           json={"inputs": "kari", "parameters": {"max_new_tokens": 4}})
+            if r.status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{path} did not recover within {timeout} s")
+
+
+def run_streams(n: int, path: str, max_new_tokens: int) -> tuple[list, threading.Event, list]:
+    """n streams in threads; returns (results, 'all started' event, threads)."""
+    results: list = [None] * n
+    started = [threading.Event() for _ in range(n)]
+
+    def one(i):
+        lines = []
+        try:
+            with httpx.stream("POST", BASE + path, timeout=60, json={
+                    "inputs": f"mole dasu {i}", "parameters": {"max_new_tokens": max_new_tokens}}) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started[i].set()
+            results[i] = ("ok", r.status_code, lines)
+        except Exception as exc:
+            results[i] = ("exception", type(exc).__name__, lines)
+        finally:
+            started[i].set()
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    all_started = threading.Event()
+    threading.Thread(target=lambda: ([e.wait(60) for e in started], all_started.set())).start()
+    return results, all_started, threads
+
+
+def test_shard_death_fails_streams_fast_then_a_fresh_replica_serves(apps):
+    before = shard_actor_names("faults")
+    assert before
+    results, all_started, threads = run_streams(16, "/generate_stream", 400)
+    assert all_started.wait(60)
+    name, namespace = before[0]
+    ray.kill(ray.get_actor(name, namespace=namespace))
+    killed = time.monotonic()
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - killed < 10 + 1  # joins return as the streams end
+    for kind, status, lines in results:
+        assert kind == "ok" and status == 200
+        last = events(lines)[-1]
+        assert last.get("error_type") == "generation" and "shard rank" in last["error"], last
+    health = [httpx.get(BASE + "/health", timeout=30).status_code for _ in range(3)]
+    assert 503 in health or wait_until_serving("/generate") >= 0
+    took = wait_until_serving("/generate")
+    assert took < 60
+    after = shard_actor_names("faults")
+    assert after and set(after).isdisjoint(before)  # new replica, new shards: no zombie
+
+
+def test_batcher_replica_death_ends_requests_then_serves_again(apps):
+    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                if "faults#Batcher" in a["name"]]
+    assert len(replicas) == 1
+    results, all_started, threads = run_streams(8, "/generate_stream", 400)
+    assert all_started.wait(60)
+    ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]),
+             no_restart=True)
+    for t in threads:
+        t.join(60)
+    for kind, status, lines in results:
+        # Each stream ends: with an error event, or with the connection closed by the proxy.
+        assert kind in ("ok", "exception"), (kind, status)
+        if kind == "ok" and events(lines):
+            last = events(lines)[-1]
+            assert last.get("error_type") == "generation" or last.get("details"), last
+    assert not any(t.is_alive() for t in threads)
+    assert wait_until_serving("/generate", timeout=90) < 90
