@@ -6,6 +6,7 @@ the keys of `args:` in serve_config.yaml."""
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -49,6 +50,7 @@ class AppArgs(BaseModel):
     max_n: int = Field(8, ge=1, description="largest OpenAI `n`")
     payload_limit: int = Field(2_000_000, ge=1024, description="bytes")
     request_timeout: float | None = Field(None, gt=0, description="seconds per request")
+    # Prefer the RAYGEN_API_KEY environment variable: Serve logs builder args at import.
     api_key: str | None = Field(None, repr=False)
     # Placement: logical CPUs reserved for the batcher replica and for each CPU shard.
     replica_cpus: float = Field(0.1, ge=0)
@@ -60,6 +62,11 @@ class AppArgs(BaseModel):
                 and self.max_input_tokens >= self.max_total_tokens):
             raise ValueError("max_input_tokens must be < max_total_tokens")
         return self
+
+    @property
+    def resolved_api_key(self) -> str | None:
+        """The key from args, else from RAYGEN_API_KEY (the only env var raygen reads)."""
+        return self.api_key or os.environ.get("RAYGEN_API_KEY") or None
 
     @property
     def model_name(self) -> str:

@@ -37,6 +37,30 @@ from shards.model_config import ModelConfig
 
 logger = logging.getLogger("ray.serve")
 app = FastAPI(title="raygen", summary="TGI- and OpenAI-compatible text generation on Ray Serve")
+# Routes read raw bodies (payload limit, strict JSON, TGI-shaped errors), so FastAPI cannot
+# infer their schemas: they are published here, for clients and for schemathesis.
+BODIES = {"/generate": tgi.TGIRequest, "/generate_stream": tgi.TGIRequest, "/": tgi.TGIRequest,
+          "/tokenize": tgi.TGIRequest, "/v1/completions": openai_api.CompletionRequest,
+          "/v1/chat/completions": openai_api.ChatRequest}
+
+
+def _openapi() -> dict:
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        spec = get_openapi(title=app.title, version="0.1.0", summary=app.summary, routes=app.routes)
+        schemas = spec.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in BODIES.items():
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+            spec["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+                "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        app.openapi_schema = spec
+    return app.openapi_schema
+
+
+app.openapi = _openapi
 
 
 class ApiError(Exception):
@@ -69,7 +93,8 @@ class Ingress:
         self.limits = tgi.Limits(max_input, max_total, args.max_stop_sequences, args.max_best_of,
                                  args.max_top_n_tokens)
         self.in_flight = 0
-        self.api_key = args.api_key.encode() if args.api_key else None
+        key = args.resolved_api_key
+        self.api_key = key.encode() if key else None
 
     # -- checks shared by every route ------------------------------------------------
     def _check_auth(self, request: Request) -> None:

@@ -161,3 +161,17 @@ def test_disconnected_streams_free_their_blocks(server, offline):
     assert kv_blocks_used() == 0
     # Freed because they were aborted, not because 500 tokens each had time to finish.
     assert metric("raygen_aborted_requests_total") - aborted_before == 16
+
+
+def test_short_soak_loses_nothing(server):
+    from benchmarks.soak import soak
+
+    result = asyncio.run(soak(BASE, duration=8, concurrency=8, seed=3))
+    assert result["lost"] == 0, result["lost_examples"]
+    assert result["succeeded"] > 0 and result["rejected_as_expected"] > 0
+    assert result["cancelled"] > 0
+    assert result["rss_end_mib"] > 0
+    # Every request ended in an accounted state (sent counts all of them).
+    accounted = sum(result.get(k, 0) for k in ("succeeded", "rejected_as_expected",
+                                               "failed_with_error", "cancelled"))
+    assert accounted == result["sent"]
