@@ -18,6 +18,7 @@ from ray import serve
 from transformers import AutoTokenizer
 
 from deployments.config import DEMO_MODEL, AppArgs, token_limits
+from deployments.metrics import BATCHER, Metrics
 from deployments.protocol import GenerateInput
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
@@ -50,7 +51,10 @@ class Batcher:
                                 args.cache_config(num_blocks),
                                 AutoTokenizer.from_pretrained(args.model),
                                 model_config.eos_token_ids, self.group)
-        self.engine_loop = AsyncEngine(self.engine, self.group.step_async)
+        self.metrics = Metrics(BATCHER)
+        self._counted = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "aborted": 0}
+        self.engine_loop = AsyncEngine(self.engine, self.group.step_async, self._record_step)
+        self._record_gauges()
         logger.info("batcher ready: tp=%d, %d KV blocks (max_batch_total_tokens=%d)",
                     args.tensor_parallel_size, num_blocks, self.engine.scheduler.max_batch_total_tokens)
 
@@ -77,6 +81,37 @@ class Batcher:
         finally:
             await stream.aclose()  # aborts the request unless it finished
 
+    def _record_step(self, scheduled, seconds: float) -> None:
+        m = self.metrics
+        method = {"method": "prefill" if scheduled.num_prefill_tokens else "decode"}
+        m.inc("tgi_batch_inference_count", tags=method)
+        m.observe("tgi_batch_forward_duration", seconds, tags=method)
+        if scheduled.concat_reason is not None:
+            m.inc("tgi_batch_concat", tags={"reason": scheduled.concat_reason})
+        self._record_gauges()
+
+    def _record_gauges(self) -> None:
+        scheduler, m = self.engine.scheduler, self.metrics
+        bm = scheduler.block_manager
+        m.set("tgi_batch_current_size", len(scheduler.running))
+        m.set("tgi_queue_size", len(scheduler.waiting))
+        m.set("tgi_batch_current_max_tokens", scheduler.max_batch_total_tokens)
+        m.set("raygen_kv_blocks_used", bm.num_used_blocks)
+        m.set("raygen_kv_blocks_total", bm.num_blocks)
+        totals = {"prefix_queries": bm.prefix_queries, "prefix_hits": bm.prefix_hits,
+                  "preemptions": scheduler.stats.num_preemptions,
+                  "aborted": scheduler.stats.num_aborted}
+        for key, total in totals.items():  # counters move by what changed since last time
+            name = f"raygen_{key.replace('prefix_', 'prefix_cache_')}"
+            if key == "aborted":
+                name = "raygen_aborted_requests"
+            m.inc(name, total - self._counted[key])
+            self._counted[key] = total
+
+    async def metrics_text(self) -> str:
+        self._record_gauges()  # an idle replica's gauges still tell the truth
+        return self.metrics.text()
+
     async def check_health(self) -> None:
         if not self.group.healthy:
             raise RuntimeError(f"shards unhealthy: {self.group.error}")
@@ -94,6 +129,7 @@ class Batcher:
         except AssertionError as exc:
             integrity = str(exc)
         return {
+            "engine_loop": self.engine_loop.loop_state(),
             "integrity": integrity,
             "healthy": self.group.healthy,
             "num_running": len(scheduler.running),

@@ -43,13 +43,24 @@ class Generation:
     queue_time: float = 0.0
     start: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
     end: float | None = None
 
     def add(self, output: RequestOutput) -> None:
         if output.error is not None:
             raise GenerationError(output.error)
-        if output.token_ids and self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+        if output.token_ids:
+            now = time.monotonic()
+            if self.first_token_time is None:
+                self.first_token_time = now
+                gaps = len(output.token_ids) - 1  # tokens that came with the first
+            else:
+                gaps = len(output.token_ids)
+            if gaps and self.last_token_time is not None:
+                # Tokens arrive grouped per step: spread the wait over them.
+                self.inter_token_latencies += [(now - self.last_token_time) / gaps] * gaps
+            self.last_token_time = now
         self.token_ids += output.token_ids
         self.token_texts += output.token_texts
         self.logprobs += output.logprobs
@@ -70,6 +81,10 @@ class Generation:
     @property
     def sum_logprob(self) -> float:
         return sum(self.logprobs)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.start
 
     @property
     def inference_time(self) -> float:

@@ -31,7 +31,7 @@ from deployments.generation import (
     reseeded,
     stream,
 )
-from deployments.metrics import prometheus_text
+from deployments.metrics import INGRESS, Metrics
 from shards.demo_model import ensure_demo_model
 from shards.model_config import ModelConfig
 
@@ -93,6 +93,7 @@ class Ingress:
         self.limits = tgi.Limits(max_input, max_total, args.max_stop_sequences, args.max_best_of,
                                  args.max_top_n_tokens)
         self.in_flight = 0
+        self.metrics = Metrics(INGRESS)
         key = args.resolved_api_key
         self.api_key = key.encode() if key else None
 
@@ -125,9 +126,41 @@ class Ingress:
         if self.in_flight >= self.args.max_concurrent_requests:
             raise ApiError(429, "Model is overloaded", "overloaded")
         self.in_flight += 1
+        self.metrics.set("raygen_ingress_in_flight_requests", self.in_flight)
 
     def _release(self) -> None:
         self.in_flight -= 1
+        self.metrics.set("raygen_ingress_in_flight_requests", self.in_flight)
+
+    def _failed(self, error_type: str) -> None:
+        self.metrics.inc("tgi_request_count")
+        self.metrics.inc("tgi_request_failure", tags={"err": error_type})
+
+    def _succeeded(self, g: Generation, route: str, validation_time: float = 0.0) -> None:
+        """Account one finished generation, and log it as one structured line (as TGI)."""
+        m = self.metrics
+        total = (g.end or time.monotonic()) - g.start
+        m.inc("tgi_request_count")
+        m.inc("tgi_request_success")
+        m.observe("tgi_request_duration", total + validation_time)
+        m.observe("tgi_request_validation_duration", validation_time)
+        m.observe("tgi_request_queue_duration", g.queue_time)
+        m.observe("tgi_request_inference_duration", g.inference_time)
+        m.observe("tgi_request_mean_time_per_token_duration",
+                  g.inference_time / max(1, len(g.token_ids)))
+        m.observe("tgi_request_input_length", len(g.prompt_token_ids))
+        m.observe("tgi_request_generated_tokens", len(g.token_ids))
+        if g.ttft is not None:
+            m.observe("raygen_time_to_first_token_seconds", g.ttft)
+        for gap in g.inter_token_latencies:
+            m.observe("raygen_inter_token_latency_seconds", gap)
+        logger.info(json.dumps({
+            "event": "request_finished", "request_id": g.request_id, "route": route,
+            "prompt_tokens": len(g.prompt_token_ids), "generated_tokens": len(g.token_ids),
+            "queue_time_s": round(g.queue_time, 4),
+            "ttft_s": None if g.ttft is None else round(g.ttft, 4),
+            "total_time_s": round(total + validation_time, 4),
+            "finish_reason": g.finish_reason.value if g.finish_reason else None}))
 
     def _token(self, token_id: int, text: str, logprob: float | None) -> dict:
         special = token_id in self.special_ids
@@ -149,6 +182,7 @@ class Ingress:
         else:
             logger.exception("unexpected error")
             status, message, error_type = 500, f"{type(exc).__name__}: {exc}", "internal"
+        self._failed(error_type)
         if openai:
             return openai_api.error_response(status, message, error_type)
         return JSONResponse(tgi.error_json(message, error_type), status_code=status)
@@ -204,6 +238,8 @@ class Ingress:
             for t in tasks:
                 t.cancel()
         best = max(runs, key=lambda g: g.sum_logprob)
+        for g in runs:
+            self._succeeded(g, "generate", validation_time)
         p = req.parameters
         body: dict[str, Any] = {"generated_text": self._full_text(req, best)}
         if p.details or p.decoder_input_details:
@@ -269,10 +305,13 @@ class Ingress:
                                     "input_length": len(g.prompt_token_ids)} if last else None,
                     }
                     yield sse(event)
+            self._succeeded(g, "generate_stream")
         except GenerationError as exc:
+            self._failed("generation")
             yield sse(tgi.error_json(str(exc), "generation"))
         except Exception as exc:  # never cut a stream without saying why
             logger.exception("stream failed")
+            self._failed("internal")
             yield sse(tgi.error_json(f"{type(exc).__name__}: {exc}"[:500], "generation"))
         finally:
             self._release()
@@ -325,10 +364,13 @@ class Ingress:
     async def metrics(self, request: Request) -> Response:
         try:
             self._check_auth(request)
-            stats = await asyncio.wait_for(self.batcher_unary.stats.remote(), 10)
+            batcher_text = await asyncio.wait_for(self.batcher_unary.metrics_text.remote(), 10)
         except Exception as exc:
             return self._error(exc)
-        return Response(prometheus_text(stats, self.in_flight), media_type="text/plain; version=0.0.4")
+        # One batcher replica's numbers (the one this call reached); Ray's Prometheus
+        # export has every replica's, tagged with application, deployment and replica.
+        return Response(self.metrics.text() + batcher_text,
+                        media_type="text/plain; version=0.0.4")
 
     # -- OpenAI routes ---------------------------------------------------------------
     @app.get("/v1/models")

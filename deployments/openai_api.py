@@ -186,6 +186,8 @@ async def handle(ingress: Ingress, request: Request, chat: bool) -> Response:
         finally:
             for t in tasks:
                 t.cancel()
+        for g in runs:
+            ingress._succeeded(g, "chat_completions" if chat else "completions")
         return JSONResponse(view.response(runs))
     except Exception as exc:
         return ingress._error(exc, openai=True)
@@ -271,6 +273,7 @@ class _View:
                 index, output, exc = await queue.get()
                 if exc is not None:
                     kind = "generation" if isinstance(exc, GenerationError) else "internal"
+                    self.ingress._failed(kind)
                     yield _sse({"error": {"message": str(exc), "type": "server_error", "code": kind}})
                     break
                 g = runs[index]
@@ -281,6 +284,8 @@ class _View:
                     delta = {"content": output.text} if self.chat else output.text
                     yield _sse(self._chunk(index, delta, finish, logprobs))
                 remaining -= output.finished
+                if output.finished:
+                    self.ingress._succeeded(g, "chat_completions" if self.chat else "completions")
             else:
                 if include_usage:
                     yield _sse({**self._envelope([], chunk=True), "usage": self.usage(runs)})

@@ -9,22 +9,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from engine.llm_engine import LLMEngine
 from engine.messages import StepInput, StepOutput
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
 StepFn = Callable[[StepInput], Awaitable[StepOutput | None]]
+# How often a waiting consumer checks that the step loop is still alive.
+SUPERVISE_INTERVAL_S = 1.0
+# Called after every step that ran: (what was scheduled, seconds the step took).
+StepHook = Callable[[SchedulerOutput, float], None]
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, run_step: StepFn):
+    def __init__(self, engine: LLMEngine, run_step: StepFn, on_step: StepHook | None = None):
         self.engine = engine
         self.run_step = run_step
+        self.on_step = on_step
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -37,25 +44,62 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
 
+    def loop_state(self) -> str:
+        task = self._loop_task
+        if task is None:
+            return "not started"
+        if not task.done():
+            return "running"
+        if task.cancelled():
+            return "cancelled"
+        return f"failed: {task.exception()!r}"
+
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        if self._loop_task is None or self._loop_task.done():
-            self._wakeup = asyncio.Event()  # events bind to the loop that first waits
-            self._loop_task = asyncio.create_task(self._run_loop(), name="engine-loop")
+        self._ensure_loop()
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = queue
         finished = False
+        get: asyncio.Task | None = None
         try:
             self.engine.add_request(request_id, prompt_token_ids, params)
             self._wakeup.set()
             while not finished:
-                output = await queue.get()
+                if get is None:
+                    get = asyncio.ensure_future(queue.get())
+                done, _ = await asyncio.wait({get}, timeout=SUPERVISE_INTERVAL_S)
+                if not done:  # nothing yet: make sure the loop is still there to serve us
+                    self._ensure_loop()
+                    continue
+                output, get = get.result(), None
                 finished = output.finished
                 yield output
         finally:
+            if get is not None:
+                get.cancel()
             self._queues.pop(request_id, None)
             if not finished:
                 self.engine.abort(request_id)
+
+    def _ensure_loop(self) -> None:
+        """Start the step loop, or restart it if it ended (it should not; if it does, the
+        requests it was serving must not wait forever)."""
+        if self._loop_task is not None and not self._loop_task.done():
+            return
+        if self._loop_task is not None:
+            # It may have ended between scheduling a step and applying its result, so the
+            # requests it was serving cannot be trusted to progress: end them with an
+            # error (never a silent hang), then serve new ones.
+            reason = f"engine loop was interrupted ({self.loop_state()})"
+            logger.error("%s; failing %d requests and restarting it", reason, len(self._queues))
+            self._dispatch(self.engine.fail_all(reason))
+        self._wakeup = asyncio.Event()  # events bind to the loop that first waits
+        self._wakeup.set()
+        self._loop_task = asyncio.create_task(self._run_loop(), name="engine-loop")
+        self._loop_task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        logger.warning("engine loop ended: %s", self.loop_state())
 
     def abort(self, request_id: str) -> None:
         output = self.engine.abort(request_id)
@@ -69,20 +113,23 @@ class AsyncEngine:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            scheduled = self.engine.schedule()
-            output = None
+            scheduled = None
             try:
+                scheduled = self.engine.schedule()
+                output = None
                 if not scheduled.is_empty:
+                    started = time.perf_counter()
                     output = await self.run_step(scheduled.step_input)
-            except Exception as exc:  # a shard failed: fail every request, never hang
+                    if self.on_step is not None:
+                        self.on_step(scheduled, time.perf_counter() - started)
+                self._dispatch(self.engine.process(scheduled, output))
+            except Exception as exc:  # a shard or the engine failed: fail all, never hang
                 self.last_error = f"{type(exc).__name__}: {exc}"
-                logger.error("step failed, failing %d requests: %s",
-                             len(self._queues), self.last_error)
+                logger.exception("step failed, failing %d requests", len(self._queues))
                 self._dispatch(self.engine.fail_all(self.last_error))
                 continue
-            self._dispatch(self.engine.process(scheduled, output))
             # Let consumers and new requests in between steps.
-            await asyncio.sleep(0 if not scheduled.is_empty else 0.001)
+            await asyncio.sleep(0 if scheduled is not None and not scheduled.is_empty else 0.001)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

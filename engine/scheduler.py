@@ -27,6 +27,9 @@ class SchedulerOutput:
     num_decode_tokens: int
     num_admitted: int
     preempted_ids: list[str] = field(default_factory=list)
+    # Why new requests joined a running batch (TGI's tgi_batch_concat reasons): enough of
+    # them waited ("backpressure") or they waited long enough ("wait_exceeded").
+    concat_reason: str | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -108,21 +111,26 @@ class Scheduler:
                 i += 1
 
         num_admitted = 0
-        if self._may_admit(had_running):
+        concat_reason = self._may_admit(had_running)
+        if concat_reason is not None:
             num_admitted, budget = self._admit(scheduled, budget)
         self.steps_since_admission = 0 if num_admitted or not had_running else (
             self.steps_since_admission + 1)
         num_prefill = self.config.max_batch_prefill_tokens - budget
         return SchedulerOutput(self._make_step_input(scheduled), num_prefill, num_decode,
-                               num_admitted, preempted)
+                               num_admitted, preempted,
+                               concat_reason if had_running and num_admitted else None)
 
-    def _may_admit(self, had_running: bool) -> bool:
+    def _may_admit(self, had_running: bool) -> str | None:
+        """Whether to try admitting now, and why (None: not now)."""
         if not self.waiting:
-            return False
-        if not had_running or self.steps_since_admission >= self.config.max_waiting_tokens:
-            return True
+            return None
+        if not had_running:
+            return "empty"
+        if self.steps_since_admission >= self.config.max_waiting_tokens:
+            return "wait_exceeded"
         min_size = math.floor(len(self.running) * self.config.waiting_served_ratio)
-        return len(self.waiting) >= min_size
+        return "backpressure" if len(self.waiting) >= min_size else None
 
     def _admit(self, scheduled: dict[str, int], budget: int) -> tuple[int, int]:
         max_size = self.config.max_batch_size

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -24,7 +25,7 @@ from shards.model_runner import ShardConfig
 logger = logging.getLogger(__name__)
 
 
-# How often a waiting step asks the GCS whether a rank died.
+# How often a step waiting on a compiled graph asks the GCS whether a rank died.
 WATCHDOG_INTERVAL_S = 1.0
 
 
@@ -43,8 +44,8 @@ class ShardGroup:
         # the cores. None picks what was faster: compiled for tp > 1.
         self.use_compiled_graph = (tensor_parallel_size > 1 if compiled_graph is None
                                    else compiled_graph)
-        self._graph = None  # compiled on first step, for that step's calling style
-        self._graph_async = False
+        self._graph = None  # compiled on first step
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="shard-group")
         self.tensor_parallel_size = tensor_parallel_size
         self.healthy = False
         self.error: str | None = None
@@ -98,7 +99,7 @@ class ShardGroup:
         ref = ray.put(step_input)
         return [a.step.remote(ref) for a in self.actors]
 
-    def _compiled(self, asynchronous: bool):
+    def _compiled(self):
         """A Ray Compiled Graph over the ranks' step: shared-memory channels instead of an
         object-store put and one actor call per rank (see benchmarks/step_overhead.py)."""
         if self._graph is None:
@@ -106,10 +107,7 @@ class ShardGroup:
 
             with InputNode() as inp:
                 dag = MultiOutputNode([a.step.bind(inp) for a in self.actors])
-            self._graph = dag.experimental_compile(enable_asyncio=asynchronous)
-            self._graph_async = asynchronous
-        elif self._graph_async != asynchronous:
-            raise RuntimeError("a compiled shard group is driven either sync or async, not both")
+            self._graph = dag.experimental_compile()
         return self._graph
 
     def step(self, step_input: StepInput) -> StepOutput | None:
@@ -117,7 +115,7 @@ class ShardGroup:
             if not self.healthy:
                 raise ShardError(self.error or "shard group is shut down")
             try:
-                refs = self._compiled(False).execute(step_input)
+                refs = self._compiled().execute(step_input)
                 while True:
                     try:
                         return ray.get(refs, timeout=WATCHDOG_INTERVAL_S)[0]
@@ -137,66 +135,23 @@ class ShardGroup:
         return results[refs[0]]
 
     async def step_async(self, step_input: StepInput) -> StepOutput | None:
-        """Like step, without blocking the event loop; a watchdog catches a rank that dies
-        while the others wait for it in a collective (their results would never come)."""
-        if not self.healthy:
-            raise ShardError(self.error or "shard group is shut down")
-        work = asyncio.ensure_future(self._step_async(step_input))
-        watchdog = asyncio.ensure_future(self._watch())
-        try:
-            done, _ = await asyncio.wait([work, watchdog], return_when=asyncio.FIRST_COMPLETED)
-            if work in done:
-                return work.result()
-            watchdog.result()  # raises the ShardError
-            raise AssertionError("unreachable: the watchdog only returns by raising")
-        finally:
-            work.cancel()
-            watchdog.cancel()
-
-    async def _watch(self) -> None:
-        while True:
-            await asyncio.sleep(WATCHDOG_INTERVAL_S)
-            await asyncio.to_thread(self._raise_if_rank_dead)
-
-    def _raise_if_rank_dead(self) -> None:
-        rank = self._dead_rank()
-        if rank >= 0:
-            raise self._fail(rank, RayActorError(error_msg=f"rank {rank} is dead"))
-
-    async def _step_async(self, step_input: StepInput) -> StepOutput | None:
-        if self.use_compiled_graph:
-            try:
-                futures = await self._compiled(True).execute_async(step_input)
-                if isinstance(futures, BaseException):  # a dead channel comes back as a value
-                    raise futures
-                results = await asyncio.gather(*futures)
-                for result in results:
-                    if isinstance(result, BaseException):
-                        raise result
-                return results[0]
-            except Exception as exc:  # any failure of the graph ends it: the group is done
-                raise self._fail(self._dead_rank(), exc) from exc
-        refs = self._submit(step_input)
-        futures = [asyncio.ensure_future(self._await(ref, rank)) for rank, ref in enumerate(refs)]
-        done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_EXCEPTION)
-        for future in done:
-            if future.exception() is not None:
-                for other in pending:
-                    other.cancel()
-                raise future.exception()
-        return futures[0].result()
-
-    async def _await(self, ref: ray.ObjectRef, rank: int):
-        try:
-            return await ref
-        except (RayActorError, RayTaskError) as exc:
-            raise self._fail(rank, exc) from exc
+        """`step` on this group's own thread, so the event loop never blocks. Ray refs are
+        waited on there, not awaited on the caller's loop: a ref's asyncio future can be
+        cancelled under it (seen under Serve), which would look like the loop itself being
+        cancelled. One thread also keeps a compiled graph on the thread that compiled it."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.step, step_input)
 
     def _get(self, ref: ray.ObjectRef, rank: int):
         try:
             return ray.get(ref)
         except (RayActorError, RayTaskError) as exc:
             raise self._fail(rank, exc) from exc
+
+    def _raise_if_rank_dead(self) -> None:
+        rank = self._dead_rank()
+        if rank >= 0:
+            raise self._fail(rank, RayActorError(error_msg=f"rank {rank} is dead"))
 
     def _dead_rank(self) -> int:
         """The first rank the GCS reports dead (-1 if none is, yet)."""

@@ -1,0 +1,130 @@
+"""The asyncio driver: streams, cancellation, and that no failure of the step loop can
+leave a request waiting forever."""
+
+from __future__ import annotations
+
+import asyncio
+
+from engine.async_engine import AsyncEngine
+from engine.config import CacheConfig, SchedulerConfig
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from tests.engine.fake_worker import FakeWorker, next_token
+
+
+class LetterTokenizer:
+    """Token i decodes to one letter: enough for the detokenizer."""
+
+    def decode(self, ids, **kwargs) -> str:
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def make() -> tuple[LLMEngine, FakeWorker]:
+    worker = FakeWorker(block_size=4)
+    engine = LLMEngine(SchedulerConfig(max_model_len=1024), CacheConfig(4, 256),
+                       LetterTokenizer(), frozenset(), worker)
+    return engine, worker
+
+
+async def run_step_of(worker: FakeWorker, delay: float = 0.0):
+    async def run_step(step_input):
+        await asyncio.sleep(delay)
+        return worker.step(step_input)
+    return run_step
+
+
+def expected_tokens(prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt):]
+
+
+async def consume(async_engine: AsyncEngine, rid: str, prompt: list[int], n: int):
+    outputs = [o async for o in async_engine.generate(rid, prompt, SamplingParams(max_new_tokens=n))]
+    return [t for o in outputs for t in o.token_ids], outputs[-1]
+
+
+def test_streams_complete_with_the_workers_tokens():
+    async def main():
+        engine, worker = make()
+        ae = AsyncEngine(engine, await run_step_of(worker))
+        return await asyncio.gather(*(consume(ae, f"r{i}", [11 + i, 12], 5 + i) for i in range(4)))
+
+    for i, (tokens, last) in enumerate(asyncio.run(main())):
+        assert tokens == expected_tokens([11 + i, 12], 5 + i)
+        assert last.finished and last.error is None
+
+
+def test_an_interrupted_loop_fails_its_requests_then_serves_new_ones():
+    async def main():
+        engine, worker = make()
+        ae = AsyncEngine(engine, await run_step_of(worker, delay=0.01))
+        task = asyncio.create_task(consume(ae, "r", [11, 12], 40))
+        await asyncio.sleep(0.1)
+        ae._loop_task.cancel()  # mid-step: that step's result is lost
+        _, last = await asyncio.wait_for(task, 10)  # supervised: ends, does not hang
+        tokens, after = await asyncio.wait_for(consume(ae, "s", [13, 14], 6), 10)
+        return last, tokens, after, engine
+
+    last, tokens, after, engine = asyncio.run(main())
+    assert last.finished and "engine loop was interrupted" in last.error
+    assert tokens == expected_tokens([13, 14], 6) and after.error is None
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_an_engine_exception_fails_requests_instead_of_hanging():
+    async def main():
+        engine, worker = make()
+        ae = AsyncEngine(engine, await run_step_of(worker))
+        original, calls = engine.process, {"n": 0}
+
+        def flaky(scheduled, output):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise ValueError("boom")
+            return original(scheduled, output)
+
+        engine.process = flaky
+        _, first = await asyncio.wait_for(consume(ae, "a", [11, 12], 10), 10)
+        tokens, second = await asyncio.wait_for(consume(ae, "b", [13, 14], 3), 10)
+        return first, tokens, second, engine
+
+    first, tokens, second, engine = asyncio.run(main())
+    assert first.finished and "boom" in first.error
+    assert tokens == expected_tokens([13, 14], 3) and second.error is None
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_failing_step_fails_everything_in_flight():
+    async def main():
+        engine, _ = make()
+
+        async def broken(step_input):
+            raise RuntimeError("shard rank 0 died")
+
+        ae = AsyncEngine(engine, broken)
+        return await asyncio.wait_for(asyncio.gather(
+            *(consume(ae, f"r{i}", [11, 12], 5) for i in range(3))), 10), engine
+
+    results, engine = asyncio.run(main())
+    assert all(last.error and "shard rank 0 died" in last.error for _, last in results)
+    assert not engine.has_unfinished_requests()
+
+
+def test_closing_a_stream_aborts_and_frees_blocks():
+    async def main():
+        engine, worker = make()
+        ae = AsyncEngine(engine, await run_step_of(worker, delay=0.005))
+        stream = ae.generate("r", [11, 12, 13, 14, 15], SamplingParams(max_new_tokens=500))
+        async for output in stream:
+            if output.token_ids:
+                break
+        await stream.aclose()
+        await asyncio.sleep(0.05)
+        return engine
+
+    engine = asyncio.run(main())
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+    assert engine.scheduler.stats.num_aborted == 1
