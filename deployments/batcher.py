@@ -97,7 +97,7 @@ class Batcher:
         m.set("tgi_queue_size", len(scheduler.waiting))
         m.set("tgi_batch_current_max_tokens", scheduler.max_batch_total_tokens)
         m.set("raygen_kv_blocks_used", bm.num_used_blocks)
-        m.set("raygen_kv_blocks_total", bm.num_blocks)
+        m.set("raygen_kv_blocks_capacity", bm.num_blocks)
         totals = {"prefix_queries": bm.prefix_queries, "prefix_hits": bm.prefix_hits,
                   "preemptions": scheduler.stats.num_preemptions,
                   "aborted": scheduler.stats.num_aborted}

@@ -52,7 +52,7 @@ BATCHER = {
     "tgi_batch_forward_duration": Spec("histogram", "Engine step time (s), by kind", ("method",)),
     "tgi_batch_concat": Spec("counter", "New requests joining a running batch", ("reason",)),
     "raygen_kv_blocks_used": Spec("gauge", "KV cache blocks in use"),
-    "raygen_kv_blocks_total": Spec("gauge", "KV cache blocks"),
+    "raygen_kv_blocks_capacity": Spec("gauge", "KV cache blocks"),
     "raygen_prefix_cache_queries": Spec("counter", "Prompt tokens looked up in the prefix cache"),
     "raygen_prefix_cache_hits": Spec("counter", "Prompt tokens served from the prefix cache"),
     "raygen_preemptions": Spec("counter", "Requests preempted for KV space (recomputed later)"),

@@ -1,0 +1,47 @@
+"""The shipped configs are valid for Serve (its own schema) and for raygen (AppArgs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from ray.serve.schema import ServeDeploySchema
+
+from deployments.config import AppArgs
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def serve_configs() -> dict[str, dict]:
+    configs = {p: yaml.safe_load((ROOT / p).read_text())
+               for p in ("serve_config.yaml", "configs/gpu-llama3-8b-tp2.yaml")}
+    rayservice = yaml.safe_load((ROOT / "configs/kuberay-rayservice.yaml").read_text())
+    configs["configs/kuberay-rayservice.yaml"] = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    return configs
+
+
+@pytest.mark.parametrize("name", sorted(serve_configs()))
+def test_config_is_valid(name):
+    config = serve_configs()[name]
+    ServeDeploySchema.parse_obj(config)
+    for app in config["applications"]:
+        assert app["import_path"] == "deployments.app:build_app"
+        args = AppArgs.model_validate(app["args"])
+        batcher = next(d for d in app["deployments"] if d["name"] == "Batcher")
+        auto = batcher.get("autoscaling_config")
+        if auto:
+            # Scaling on per-replica load only works below the point where it queues.
+            assert auto["target_ongoing_requests"] < batcher["max_ongoing_requests"]
+        if args.device == "cuda":
+            assert args.placement_group_bundles()[1:] == [{"GPU": 1.0}] * args.tensor_parallel_size
+
+
+def test_gpu_configs_agree():
+    """The KubeRay manifest serves what the GPU example serves."""
+    configs = serve_configs()
+    gpu = configs["configs/gpu-llama3-8b-tp2.yaml"]["applications"][0]
+    kuberay = configs["configs/kuberay-rayservice.yaml"]["applications"][0]
+    for key in ("model", "device", "tensor_parallel_size", "dtype"):
+        assert gpu["args"][key] == kuberay["args"][key]
+    assert kuberay["deployments"][0]["autoscaling_config"]["max_replicas"] == 4
