@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install serve test lint demo-model bench-offline clean
+.PHONY: install serve test lint demo-model bench-offline clean prometheus
 
 install: $(STAMP)
 
@@ -34,7 +34,14 @@ serve: install demo-model
 lint: install
 	$(VENV)/bin/ruff check .
 
-test: install lint
+# Debian's prometheus, for the metrics test; where it cannot be had that test is skipped.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	   --no-install-recommends prometheus) >/dev/null 2>&1; } || \
+	  echo "prometheus not installed: tests/deployments/test_prometheus.py will be skipped"
+
+test: install lint prometheus
 	$(PY) -m pytest -q -x --durations=15
 
 bench-offline: install

@@ -86,8 +86,11 @@ class AppArgs(BaseModel):
         return CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching)
 
     def shard_config(self) -> ShardConfig:
+        # "cuda" places shards on GPUs; inside a shard, tensors go where CUDA is usable
+        # (a logical GPU on a machine without one falls back to CPU).
         return ShardConfig(
-            model=self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
+            model=self.model, dtype=self.dtype, device="auto" if self.device == "cuda" else "cpu",
+            block_size=self.block_size,
             num_blocks=self.num_blocks, kv_cache_memory=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             attention_backend=self.attention_backend, cpu_threads=self.cpu_threads)
