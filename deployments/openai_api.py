@@ -43,6 +43,7 @@ class _Common(BaseModel):
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    ignore_eos: bool = False  # vLLM's extension: exact output lengths for benchmarks
 
 
 class CompletionRequest(_Common):
@@ -150,7 +151,7 @@ def _params(ingress: Ingress, req, chat: bool, num_prompt_tokens: int) -> Sampli
     return SamplingParams(
         max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        seed=req.seed, stop=tuple(stop), top_n_tokens=top_n)
+        seed=req.seed, stop=tuple(stop), top_n_tokens=top_n, ignore_eos=req.ignore_eos)
 
 
 def _finish(reason: FinishReason | None) -> str | None:

@@ -4,6 +4,7 @@ clients; outputs must equal the offline engine's, token for token."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -175,3 +176,25 @@ def test_short_soak_loses_nothing(server):
     accounted = sum(result.get(k, 0) for k in ("succeeded", "rejected_as_expected",
                                                "failed_with_error", "cancelled"))
     assert accounted == result["sent"]
+
+
+def test_load_generator_reports_vllm_labels_and_exact_lengths(server, tmp_path, capsys):
+    from benchmarks.serve import main
+
+    result_file = tmp_path / "result.json"
+    summary = main(["--url", BASE, "--num-prompts", "12", "--concurrency", "4",
+                    "--input-len", "20", "--output-len", "9", "--vocab-size", "2000",
+                    "--result-file", str(result_file)])
+    printed = capsys.readouterr().out
+    for label in ("Successful requests:", "Request throughput (req/s):",
+                  "Output token throughput (tok/s):", "Total token throughput (tok/s):",
+                  "Mean TTFT (ms):", "Median TTFT (ms):", "P99 TTFT (ms):", "Mean TPOT (ms):",
+                  "Median ITL (ms):", "P99 E2EL (ms):"):
+        assert label in printed
+    assert summary["completed"] == 12 and summary["failed"] == 0
+    assert summary["total_output_tokens"] == 12 * 9  # ignore_eos: exact lengths
+    assert summary["total_input_tokens"] == 12 * 20
+    assert json.loads(result_file.read_text())["completed"] == 12
+    tgi = main(["--url", BASE, "--backend", "tgi", "--num-prompts", "4", "--concurrency", "2",
+                "--request-rate", "20", "--output-len", "5"])
+    assert tgi["completed"] == 4 and tgi["median_ttft_ms"] > 0

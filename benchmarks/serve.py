@@ -1,0 +1,221 @@
+"""Serving load generator: latency and throughput of an HTTP text-generation server.
+
+    python -m benchmarks.serve --url http://127.0.0.1:8000 --backend openai \\
+        --num-prompts 64 --concurrency 32 --input-len 128 --output-len 64
+
+Sends prompts of exact token lengths (random token ids; `--range-ratio` varies them) at a
+fixed concurrency, or at `--request-rate` requests/s with Poisson (`--burstiness 1`) or
+gamma arrivals, streaming every response. Prints vLLM `bench serve`'s labels and writes a
+JSON result file. Backends: `openai` (/v1/completions, token-id prompts, `ignore_eos`),
+`openai-chat` (/v1/chat/completions) and `tgi` (/generate_stream). Loopback only."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass
+class RequestResult:
+    success: bool = False
+    prompt_len: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    error: str = ""
+
+
+def make_requests(num: int, input_len: int, output_len: int, range_ratio: float, vocab: int,
+                  seed: int) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+
+    def length(n: int) -> int:
+        return max(1, rng.randint(int(n * (1 - range_ratio)), int(n * (1 + range_ratio))))
+
+    return [([rng.randrange(5, vocab) for _ in range(length(input_len))], length(output_len))
+            for _ in range(num)]
+
+
+def _payload(backend: str, model: str, prompt: list[int], output_len: int, ignore_eos: bool,
+             text: str) -> tuple[str, dict]:
+    if backend == "openai":
+        return "/v1/completions", {
+            "model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    if backend == "openai-chat":
+        return "/v1/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": text}],
+            "max_tokens": output_len, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+    return "/generate_stream", {"inputs": text, "parameters": {"max_new_tokens": output_len}}
+
+
+async def send(client: httpx.AsyncClient, url: str, backend: str, model: str, prompt: list[int],
+               output_len: int, ignore_eos: bool, text: str) -> RequestResult:
+    path, body = _payload(backend, model, prompt, output_len, ignore_eos, text)
+    result = RequestResult(prompt_len=len(prompt))
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url + path, json=body) as r:
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    result.error = str(event["error"])[:200]
+                    return result
+                now = time.perf_counter()
+                produced = _tokens_in(backend, event)
+                if produced:
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    if backend == "tgi":
+                        result.output_tokens += produced
+                usage = event.get("usage")
+                if usage:
+                    result.output_tokens = usage["completion_tokens"]
+        result.latency = time.perf_counter() - start
+        result.success = result.output_tokens > 0
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+def _tokens_in(backend: str, event: dict) -> int:
+    if backend == "tgi":
+        return 1 if "token" in event else 0
+    choices = event.get("choices") or []
+    if not choices:
+        return 0
+    choice = choices[0]
+    content = choice.get("text") if backend == "openai" else (choice.get("delta") or {}).get("content")
+    return 1 if content else 0
+
+
+async def run(args: argparse.Namespace) -> dict:
+    requests = make_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+                             args.vocab_size, args.seed)
+    texts = [" ".join(f"w{t}" for t in prompt) for prompt, _ in requests]
+    rng = random.Random(args.seed + 1)
+    limits = httpx.Limits(max_connections=max(args.concurrency or 0, 64) * 2)
+    async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
+        warm = await send(client, args.url, args.backend, args.model, requests[0][0][:8], 4,
+                          args.ignore_eos, texts[0][:40])
+        if not warm.success:
+            raise SystemExit(f"warm-up request failed: {warm.error}")
+        semaphore = asyncio.Semaphore(args.concurrency or len(requests))
+
+        async def one(i: int) -> RequestResult:
+            async with semaphore:
+                prompt, out_len = requests[i]
+                return await send(client, args.url, args.backend, args.model, prompt, out_len,
+                                  args.ignore_eos, texts[i])
+
+        start = time.perf_counter()
+        tasks = []
+        for i in range(len(requests)):
+            tasks.append(asyncio.ensure_future(one(i)))
+            if args.request_rate != float("inf"):
+                # Gamma inter-arrival times; shape 1 (burstiness 1) is Poisson.
+                theta = 1.0 / (args.request_rate * args.burstiness)
+                await asyncio.sleep(rng.gammavariate(args.burstiness, theta))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return summarize(results, duration, args)
+
+
+def _stats(values: list[float], name: str, unit_scale: float = 1000.0) -> dict:
+    values = sorted(values) or [0.0]
+    pick = lambda q: values[min(len(values) - 1, int(q / 100 * len(values)))]  # noqa: E731
+    return {f"mean_{name}_ms": statistics.fmean(values) * unit_scale,
+            f"median_{name}_ms": statistics.median(values) * unit_scale,
+            f"p99_{name}_ms": pick(99) * unit_scale}
+
+
+def summarize(results: list[RequestResult], duration: float, args: argparse.Namespace) -> dict:
+    ok = [r for r in results if r.success]
+    output = sum(r.output_tokens for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    summary = {
+        "backend": args.backend, "url": args.url, "num_prompts": len(results),
+        "concurrency": args.concurrency, "request_rate": args.request_rate,
+        "duration_s": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": sum(r.prompt_len for r in ok), "total_output_tokens": output,
+        "request_throughput": len(ok) / duration, "output_throughput": output / duration,
+        "total_token_throughput": (output + sum(r.prompt_len for r in ok)) / duration,
+        **_stats([r.ttft for r in ok], "ttft"), **_stats(tpot, "tpot"),
+        **_stats([x for r in ok for x in r.itl], "itl"), **_stats([r.latency for r in ok], "e2el"),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+    }
+    return summary
+
+
+def print_summary(s: dict) -> None:
+    print("{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="))
+    rows = [("Successful requests:", s["completed"]), ("Failed requests:", s["failed"]),
+            ("Benchmark duration (s):", f"{s['duration_s']:.2f}"),
+            ("Total input tokens:", s["total_input_tokens"]),
+            ("Total generated tokens:", s["total_output_tokens"]),
+            ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
+            ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
+            ("Total token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")]
+    for metric, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+                          ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+        rows.append((f"-----{title}-----", None))
+        for kind in ("Mean", "Median", "P99"):
+            rows.append((f"{kind} {metric.upper()} (ms):", f"{s[f'{kind.lower()}_{metric}_ms']:.2f}"))
+    for label, value in rows:
+        print(label if value is None else f"{label:<40} {value:<10}")
+    print("=" * 50)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--backend", choices=["openai", "openai-chat", "tgi"], default="openai")
+    p.add_argument("--model", default="demo")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=None, help="fixed number in flight")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary by +-ratio")
+    p.add_argument("--vocab-size", type=int, default=2000, help="token ids are drawn below this")
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-file", default=None, help="write the JSON result here")
+    args = p.parse_args(argv)
+    if not args.url.startswith(("http://127.", "http://localhost", "http://[::1]")):
+        p.error("the load generator only targets this machine (loopback)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    summary = asyncio.run(run(args))
+    print_summary(summary)
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump({**summary, "args": {k: v for k, v in vars(args).items()
+                                           if k != "request_rate" or v != float("inf")}}, f, indent=2)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
