@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.generation import Generation, GenerationError, new_request_id, stream
+from deployments.generation import Generation, GenerationError, collect, new_request_id, stream
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 
@@ -181,7 +181,7 @@ async def handle(ingress: Ingress, request: Request, chat: bool) -> Response:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(view.events(runs, include_usage), media_type="text/event-stream")
     try:
-        tasks = [asyncio.ensure_future(_collect(ingress, g)) for g in runs]
+        tasks = [asyncio.ensure_future(collect(ingress.batcher, g)) for g in runs]
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -194,11 +194,6 @@ async def handle(ingress: Ingress, request: Request, chat: bool) -> Response:
         return ingress._error(exc, openai=True)
     finally:
         ingress._release()
-
-
-async def _collect(ingress: Ingress, g: Generation) -> None:
-    async for _ in stream(ingress.batcher, g):
-        pass
 
 
 @dataclasses.dataclass

@@ -101,12 +101,6 @@ class AsyncEngine:
     def _loop_ended(self, task: asyncio.Task) -> None:
         logger.warning("engine loop ended: %s", self.loop_state())
 
-    def abort(self, request_id: str) -> None:
-        output = self.engine.abort(request_id)
-        queue = self._queues.get(request_id)
-        if output is not None and queue is not None:
-            queue.put_nowait(output)
-
     async def _run_loop(self) -> None:
         while True:
             if not self.engine.has_unfinished_requests():

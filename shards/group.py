@@ -139,6 +139,8 @@ class ShardGroup:
         waited on there, not awaited on the caller's loop: a ref's asyncio future can be
         cancelled under it (seen under Serve), which would look like the loop itself being
         cancelled. One thread also keeps a compiled graph on the thread that compiled it."""
+        if not self.healthy:  # say why, rather than that the executor is shut down
+            raise ShardError(self.error or "shard group is shut down")
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self.step, step_input)
 
@@ -194,6 +196,7 @@ class ShardGroup:
 
     def shutdown(self) -> None:
         self.healthy = False
+        self._executor.shutdown(wait=False)
         graph, self._graph = self._graph, None
         if graph is not None:
             try:
