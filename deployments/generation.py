@@ -128,3 +128,13 @@ async def collect(batcher, generation: Generation) -> Generation:
     async for _ in stream(batcher, generation):
         pass
     return generation
+
+
+async def collect_all(batcher, generations: list[Generation]) -> None:
+    """Run several generations (best_of, n) at once; one failing cancels the others."""
+    tasks = [asyncio.ensure_future(collect(batcher, g)) for g in generations]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()

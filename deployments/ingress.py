@@ -26,7 +26,7 @@ from deployments.generation import (
     Generation,
     GenerationError,
     ReplicaUnavailable,
-    collect,
+    collect_all,
     new_request_id,
     reseeded,
     stream,
@@ -231,12 +231,7 @@ class Ingress:
         for _ in range(valid.best_of - 1):  # best_of: independent samples, different seeds
             runs.append(Generation(new_request_id(), valid.prompt_token_ids,
                                    reseeded(valid.params)))
-        tasks = [asyncio.ensure_future(collect(self.batcher, g)) for g in runs]
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for t in tasks:
-                t.cancel()
+        await collect_all(self.batcher, runs)
         best = max(runs, key=lambda g: g.sum_logprob)
         for g in runs:
             self._succeeded(g, "generate", validation_time)

@@ -15,7 +15,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from deployments.generation import Generation, GenerationError, collect, new_request_id, stream
+from deployments.generation import (
+    Generation,
+    GenerationError,
+    collect_all,
+    new_request_id,
+    stream,
+)
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 
@@ -181,12 +187,7 @@ async def handle(ingress: Ingress, request: Request, chat: bool) -> Response:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return StreamingResponse(view.events(runs, include_usage), media_type="text/event-stream")
     try:
-        tasks = [asyncio.ensure_future(collect(ingress.batcher, g)) for g in runs]
-        try:
-            await asyncio.gather(*tasks)
-        finally:
-            for t in tasks:
-                t.cancel()
+        await collect_all(ingress.batcher, runs)
         for g in runs:
             ingress._succeeded(g, "chat_completions" if chat else "completions")
         return JSONResponse(view.response(runs))
