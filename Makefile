@@ -10,7 +10,8 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install serve test lint demo-model bench-offline clean prometheus
+.PHONY: install serve serve-fast test lint demo-model bench-offline bench-compare peers clean \
+        prometheus haproxy
 
 install: $(STAMP)
 
@@ -31,6 +32,12 @@ demo-model: $(DEMO_MODEL)/config.json
 serve: install demo-model
 	$(VENV)/bin/serve run serve_config.yaml
 
+# Ray Serve's throughput mode: the ingress replica serves HTTP itself behind HAProxy (no
+# proxy actor hop), gRPC between replicas. HAProxy listens on all interfaces (README).
+FAST_ENV := RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1
+serve-fast: install demo-model haproxy
+	$(FAST_ENV) $(VENV)/bin/serve run serve_config.yaml
+
 lint: install
 	$(VENV)/bin/ruff check .
 
@@ -41,11 +48,34 @@ prometheus:
 	   --no-install-recommends prometheus) >/dev/null 2>&1; } || \
 	  echo "prometheus not installed: tests/deployments/test_prometheus.py will be skipped"
 
-test: install lint prometheus
+# Debian's haproxy, for Serve's throughput mode (make serve-fast, tests/e2e/test_fast_mode.py).
+haproxy:
+	@command -v haproxy >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	   --no-install-recommends haproxy) >/dev/null 2>&1; } || \
+	  echo "haproxy not installed: tests/e2e/test_fast_mode.py will be skipped"
+
+test: install lint prometheus haproxy
 	$(PY) -m pytest -q -x --durations=15
 
 bench-offline: install
 	$(PY) -m benchmarks.offline
 
+# The peers of benchmarks.compare: transformers 5 (its `serve` batches continuously) in its
+# own venv, since the text-generation client pins transformers 4 here; matplotlib for the plot.
+PEERS := .venv-peers
+$(PEERS)/.installed:
+	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/pip install -q --upgrade pip
+	$(PEERS)/bin/pip install -q torch==2.13.0
+	$(PEERS)/bin/pip install -q 'transformers[serving]>=5,<6' torch==2.13.0
+	touch $@
+
+peers: install haproxy $(PEERS)/.installed
+	$(PIP) install -q -e '.[test,bench]' torch==2.13.0
+
+bench-compare: peers
+	$(PY) -m benchmarks.compare
+
 clean:
-	rm -rf $(VENV) models .pytest_cache
+	rm -rf $(VENV) $(PEERS) models .pytest_cache

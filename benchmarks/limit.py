@@ -65,8 +65,9 @@ def measure(model: str, input_len: int, batch_sizes: list[int], repeats: int = 5
     return result
 
 
-def limit_tok_s(timings: dict, concurrency: int, output_len: int) -> float:
-    """C requests: C prefills, then output_len decode steps at batch C."""
+def limit_tok_s(timings: dict, concurrency: int, output_len: float) -> float:
+    """C requests: C prefills, then output_len decode steps at batch C (with varied
+    lengths, output_len is the mean and the batch is assumed kept full)."""
     step = timings["decode_step_s"][concurrency]
     return concurrency * output_len / (concurrency * timings["prefill_s"] + output_len * step)
 
@@ -75,7 +76,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="models/demo-small")
     parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--output-len", type=float, default=64,
+                        help="output tokens per request (a workload's mean)")
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--result-file", default=None)

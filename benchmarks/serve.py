@@ -7,7 +7,9 @@ Sends prompts of exact token lengths (random token ids; `--range-ratio` varies t
 fixed concurrency, or at `--request-rate` requests/s with Poisson (`--burstiness 1`) or
 gamma arrivals, streaming every response. Prints vLLM `bench serve`'s labels and writes a
 JSON result file. Backends: `openai` (/v1/completions, token-id prompts, `ignore_eos`),
-`openai-chat` (/v1/chat/completions) and `tgi` (/generate_stream). Loopback only."""
+`openai-chat` (/v1/chat/completions) and `tgi` (/generate_stream). With `--tokenizer`,
+every backend gets text prompts that this tokenizer encodes to exactly `--input-len`
+tokens (for servers that take only strings). Loopback only."""
 
 from __future__ import annotations
 
@@ -34,34 +36,58 @@ class RequestResult:
 
 
 def make_requests(num: int, input_len: int, output_len: int, range_ratio: float, vocab: int,
-                  seed: int) -> list[tuple[list[int], int]]:
+                  seed: int, output_range: tuple[int, int] | None = None
+                  ) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
 
     def length(n: int) -> int:
         return max(1, rng.randint(int(n * (1 - range_ratio)), int(n * (1 + range_ratio))))
 
-    return [([rng.randrange(5, vocab) for _ in range(length(input_len))], length(output_len))
+    def out_len() -> int:
+        return rng.randint(*output_range) if output_range else length(output_len)
+
+    return [([rng.randrange(5, vocab) for _ in range(length(input_len))], out_len())
             for _ in range(num)]
 
 
-def _payload(backend: str, model: str, prompt: list[int], output_len: int, ignore_eos: bool,
-             text: str) -> tuple[str, dict]:
+def exact_text(tokenizer, token_ids: list[int]) -> str:
+    """Text that `tokenizer` encodes to exactly len(token_ids) tokens, made of those ids'
+    pieces (decoding a whole random id list rarely round-trips: pieces merge). A piece
+    that would overshoot is skipped for the next id."""
+    n, text, i = len(token_ids), "", 0
+    count = 0
+    while count < n:
+        token = token_ids[i % len(token_ids)] + i // len(token_ids)  # wraps to fresh ids
+        i += 1
+        if i > 50 * n:
+            raise ValueError(f"no text of exactly {n} tokens found")
+        candidate = text + tokenizer.decode([token], skip_special_tokens=True)
+        length = len(tokenizer.encode(candidate, add_special_tokens=False))
+        if length <= n and candidate.strip():
+            text, count = candidate, length
+    return text
+
+
+def _payload(backend: str, model: str, prompt: list[int] | str, output_len: int,
+             ignore_eos: bool, text: str) -> tuple[str, dict]:
+    extra = {"ignore_eos": True} if ignore_eos else {}  # some servers refuse unknown fields
     if backend == "openai":
         return "/v1/completions", {
             "model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+            "stream": True, "stream_options": {"include_usage": True}, **extra}
     if backend == "openai-chat":
         return "/v1/chat/completions", {
             "model": model, "messages": [{"role": "user", "content": text}],
             "max_tokens": output_len, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": ignore_eos}
+            "stream_options": {"include_usage": True}, **extra}
     return "/generate_stream", {"inputs": text, "parameters": {"max_new_tokens": output_len}}
 
 
-async def send(client: httpx.AsyncClient, url: str, backend: str, model: str, prompt: list[int],
-               output_len: int, ignore_eos: bool, text: str) -> RequestResult:
+async def send(client: httpx.AsyncClient, url: str, backend: str, model: str,
+               prompt: list[int] | str, output_len: int, ignore_eos: bool,
+               text: str) -> RequestResult:
     path, body = _payload(backend, model, prompt, output_len, ignore_eos, text)
-    result = RequestResult(prompt_len=len(prompt))
+    result = RequestResult(prompt_len=len(prompt) if isinstance(prompt, list) else 0)
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", url + path, json=body) as r:
@@ -88,6 +114,7 @@ async def send(client: httpx.AsyncClient, url: str, backend: str, model: str, pr
                 usage = event.get("usage")
                 if usage:
                     result.output_tokens = usage["completion_tokens"]
+                    result.prompt_len = usage.get("prompt_tokens", result.prompt_len)
         result.latency = time.perf_counter() - start
         result.success = result.output_tokens > 0
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
@@ -107,13 +134,21 @@ def _tokens_in(backend: str, event: dict) -> int:
 
 
 async def run(args: argparse.Namespace) -> dict:
+    output_range = tuple(int(x) for x in args.output_range.split(",")) if args.output_range else None
     requests = make_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
-                             args.vocab_size, args.seed)
-    texts = [" ".join(f"w{t}" for t in prompt) for prompt, _ in requests]
+                             args.vocab_size, args.seed, output_range)
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        texts = [exact_text(tokenizer, prompt) for prompt, _ in requests]
+    else:
+        texts = [" ".join(f"w{t}" for t in prompt) for prompt, _ in requests]
     rng = random.Random(args.seed + 1)
     limits = httpx.Limits(max_connections=max(args.concurrency or 0, 64) * 2)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
-        warm = await send(client, args.url, args.backend, args.model, requests[0][0][:8], 4,
+        warm_prompt = texts[0][:40] if args.tokenizer else requests[0][0][:8]
+        warm = await send(client, args.url, args.backend, args.model, warm_prompt, 4,
                           args.ignore_eos, texts[0][:40])
         if not warm.success:
             raise SystemExit(f"warm-up request failed: {warm.error}")
@@ -122,6 +157,8 @@ async def run(args: argparse.Namespace) -> dict:
         async def one(i: int) -> RequestResult:
             async with semaphore:
                 prompt, out_len = requests[i]
+                if args.tokenizer:
+                    prompt = texts[i]
                 return await send(client, args.url, args.backend, args.model, prompt, out_len,
                                   args.ignore_eos, texts[i])
 
@@ -139,7 +176,9 @@ async def run(args: argparse.Namespace) -> dict:
 
 
 def _stats(values: list[float], name: str, unit_scale: float = 1000.0) -> dict:
-    values = sorted(values) or [0.0]
+    if not values:  # e.g. no ITL from a server that sends the whole answer at once
+        return {f"{kind}_{name}_ms": None for kind in ("mean", "median", "p99")}
+    values = sorted(values)
     pick = lambda q: values[min(len(values) - 1, int(q / 100 * len(values)))]  # noqa: E731
     return {f"mean_{name}_ms": statistics.fmean(values) * unit_scale,
             f"median_{name}_ms": statistics.median(values) * unit_scale,
@@ -177,7 +216,8 @@ def print_summary(s: dict) -> None:
                           ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         rows.append((f"-----{title}-----", None))
         for kind in ("Mean", "Median", "P99"):
-            rows.append((f"{kind} {metric.upper()} (ms):", f"{s[f'{kind.lower()}_{metric}_ms']:.2f}"))
+            value = s[f"{kind.lower()}_{metric}_ms"]
+            rows.append((f"{kind} {metric.upper()} (ms):", "n/a" if value is None else f"{value:.2f}"))
     for label, value in rows:
         print(label if value is None else f"{label:<40} {value:<10}")
     print("=" * 50)
@@ -195,6 +235,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary by +-ratio")
+    p.add_argument("--output-range", default=None, metavar="LO,HI",
+                   help="output lengths uniform in LO..HI (overrides --output-len)")
+    p.add_argument("--tokenizer", default=None,
+                   help="send text prompts of exactly --input-len tokens of this tokenizer")
     p.add_argument("--vocab-size", type=int, default=2000, help="token ids are drawn below this")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false")
     p.add_argument("--timeout", type=float, default=600)

@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,11 +26,26 @@ BASE = "http://127.0.0.1:8000"
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def server(llama_dir, tmp_path_factory):
+# Serve's throughput mode: the ingress replica serves HTTP itself behind HAProxy, gRPC
+# between replicas, user code on the replica's main loop (make serve-fast).
+FAST_MODE = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+
+
+def _port_closed() -> bool:
+    try:
+        httpx.get(BASE + "/health", timeout=2)
+        return False
+    except httpx.HTTPError:
+        return True
+
+
+@pytest.fixture(scope="module", params=["default", "fast"])
+def server(request, llama_dir, tmp_path_factory):
+    if request.param == "fast" and shutil.which("haproxy") is None:
+        pytest.skip("haproxy not installed (make haproxy)")
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
-           "RAY_ENABLE_AUTO_CONNECT": "0"}
+           "RAY_ENABLE_AUTO_CONNECT": "0", **(FAST_MODE if request.param == "fast" else {})}
     serve_bin = Path(sys.executable).with_name("serve")
     with open(log, "wb") as out:
         proc = subprocess.Popen([str(serve_bin), "run", "deployments.app:build_app",
@@ -57,6 +73,10 @@ def server(llama_dir, tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+        deadline = time.monotonic() + 30  # HAProxy included: the port is free again
+        while not _port_closed() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _port_closed(), "something still serves on port 8000 after serve run stopped"
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,356 @@
+"""Serving benchmarks side by side with peers, in one run.
+
+    python -m benchmarks.compare            # make bench-compare: installs the peers first
+
+Starts each server in turn on the same model (`small` demo), sends the same text prompts
+(seeded per workload and concurrency, so no server gets a prefix-cache hit another would
+not), greedy, streaming, through `benchmarks.serve`, and measures the forward-only limit
+(`benchmarks.limit`) in the same run. Prints one table and writes a JSON result and a PNG
+plot (output tokens/s, TTFT p50 and ITL p50 against concurrency) to `--out`.
+
+Servers: raygen (Serve in its throughput mode: direct ingress behind HAProxy when haproxy
+is installed), `transformers serve --continuous-batching` (transformers 5, from its own venv:
+`make peers`), and Ray Serve with `@serve.batch` around `generate`
+(benchmarks/peer_serve_batch.py). Requests carry no `ignore_eos` (transformers serve refuses
+unknown fields), so every server runs the same greedy outputs; the table shows the output
+token totals so that equal work can be checked."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from benchmarks import serve as load
+
+ROOT = Path(__file__).resolve().parents[1]
+PORT = 8000
+
+
+@dataclass
+class Workload:
+    name: str
+    input_len: int
+    output_len: int | None = None
+    output_range: tuple[int, int] | None = None
+    concurrency: list[int] = field(default_factory=list)
+
+    @property
+    def mean_output(self) -> float:
+        return self.output_len if self.output_range is None else sum(self.output_range) / 2
+
+    def load_args(self) -> list[str]:
+        args = ["--input-len", str(self.input_len)]
+        if self.output_range:
+            return args + ["--output-range", ",".join(map(str, self.output_range))]
+        return args + ["--output-len", str(self.output_len)]
+
+
+@dataclass
+class Server:
+    key: str
+    name: str
+    command: list[str]
+    env: dict[str, str]
+    note: str = ""
+
+
+def _serve_config(import_path: str, args: dict, host: str = "127.0.0.1") -> str:
+    """`serve run` takes a port only from a config file."""
+    config = {"http_options": {"host": host, "port": PORT},
+              "applications": [{"name": "bench", "route_prefix": "/", "import_path": import_path,
+                                "args": args}]}
+    path = Path(tempfile.mkdtemp(prefix="raygen-compare-")) / "serve.json"
+    path.write_text(json.dumps(config))  # YAML is a superset of JSON
+    return str(path)
+
+
+def make_servers(args: argparse.Namespace) -> list[Server]:
+    serve_bin = str(Path(sys.executable).with_name("serve"))
+    base_env = {"RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
+                "RAY_ENABLE_AUTO_CONNECT": "0"}
+    fast = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+    if shutil.which("haproxy"):
+        fast["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+    servers = {}
+    for tp in args.raygen_tp:
+        servers[f"raygen-tp{tp}"] = Server(
+            f"raygen-tp{tp}", f"raygen TP={tp}",
+            [serve_bin, "run", _serve_config("deployments.app:build_app",
+                                             {"model": args.model, "tensor_parallel_size": tp})],
+            {**base_env, **fast},
+            "Ray Serve throughput mode" + (" + HAProxy" if "RAY_SERVE_ENABLE_HA_PROXY" in fast else ""))
+    servers["raygen-default-proxy"] = Server(
+        "raygen-default-proxy", "raygen, Serve's default proxy",
+        [serve_bin, "run", _serve_config("deployments.app:build_app", {"model": args.model})],
+        base_env, "proxy actor + ingress replica in separate threads (Serve defaults)")
+    tf_bin = Path(args.peers_venv) / "bin" / "transformers"
+    servers["transformers-serve"] = Server(
+        "transformers-serve", "transformers serve (CB)",
+        [str(tf_bin), "serve", args.model, "--continuous-batching", "--device", "cpu",
+         "--host", "127.0.0.1", "--port", str(PORT)],
+        base_env, "transformers 5, continuous batching, paged attention")
+    servers["serve-batch"] = Server(
+        "serve-batch", "Ray Serve @serve.batch + generate",
+        [serve_bin, "run", _serve_config("benchmarks.peer_serve_batch:build",
+                                         {"model": args.model, "max_batch_size": args.batch_size})],
+        base_env, f"static batches of <= {args.batch_size}, 50 ms wait")
+    chosen = []
+    for key in args.servers:
+        if key not in servers:
+            raise SystemExit(f"unknown server {key!r}; choose from {sorted(servers)}")
+        if key == "transformers-serve" and not tf_bin.exists():
+            print(f"skipping transformers serve: {tf_bin} missing (run `make peers`)")
+            continue
+        chosen.append(servers[key])
+    return chosen
+
+
+def _port_free() -> bool:
+    try:
+        httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=1)
+        return False
+    except httpx.HTTPError:
+        return True
+
+
+def start(server: Server, log_path: Path, timeout_s: float = 600) -> subprocess.Popen:
+    if not _port_free():
+        raise SystemExit(f"port {PORT} is in use: stop what serves there first")
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(server.command, cwd=ROOT, env={**os.environ, **server.env},
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{server.name} exited early; see {log_path}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=5).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    stop(proc)
+    raise RuntimeError(f"{server.name} not healthy in {timeout_s:.0f} s; see {log_path}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the whole session (`serve run` then stops its own Ray cluster)."""
+    for sig, wait_s in ((signal.SIGTERM, 90), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    deadline = time.monotonic() + 60
+    while not _port_free() and time.monotonic() < deadline:
+        time.sleep(1)
+
+
+def run_load(workload: Workload, concurrency: int, args: argparse.Namespace) -> dict:
+    num = max(args.min_prompts, args.prompts_per_concurrency * concurrency)
+    argv = ["--url", f"http://127.0.0.1:{PORT}", "--backend", "openai", "--model", args.model,
+            "--tokenizer", args.model, "--no-ignore-eos", "--concurrency", str(concurrency),
+            "--num-prompts", str(num), "--seed", str(1000 * concurrency + workload.input_len),
+            "--timeout", "1800", *workload.load_args()]
+    return asyncio.run(load.run(load.parse_args(argv)))
+
+
+def measure_limit(workload: Workload, args: argparse.Namespace, out_dir: Path) -> dict:
+    """The forward alone, in a fresh process (its own torch threads, nothing else running)."""
+    result = out_dir / f"limit-{workload.name}.json"
+    batches = ",".join(map(str, workload.concurrency))
+    subprocess.run([sys.executable, "-m", "benchmarks.limit", "--model", args.model,
+                    "--input-len", str(workload.input_len), "--output-len",
+                    str(workload.mean_output), "--batch-sizes", batches,
+                    "--result-file", str(result)], cwd=ROOT, check=True,
+                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    data = json.loads(result.read_text())
+    timings = data["timings"]
+    return {int(c): {"output_throughput": limit, "prefill_ms": timings["prefill_s"] * 1000,
+                     "decode_step_ms": timings["decode_step_s"][c] * 1000}
+            for c, limit in data["limit_output_tok_s"].items()}
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:,.0f}"
+
+
+def table(results: dict, workloads: list[Workload]) -> str:
+    lines = []
+    for workload in workloads:
+        rows = results[workload.name]
+        limit = rows.get("limit", {})
+        lines.append(f"\n{workload.name}: {workload.input_len}-token prompts, "
+                     + (f"{workload.output_len} new tokens" if workload.output_range is None
+                        else f"max_new_tokens uniform in {workload.output_range[0]}.."
+                             f"{workload.output_range[1]}"))
+        lines.append(f"{'server':<36}{'conc':>5}{'out tok/s':>11}{'% limit':>9}"
+                     f"{'TTFT p50':>10}{'TTFT p99':>10}{'ITL p50':>9}{'ITL p99':>9}"
+                     f"{'out tok':>9}{'failed':>7}")
+        for c in workload.concurrency:
+            if c in limit:
+                lim = limit[c]
+                lines.append(f"{'limit (forward only)':<36}{c:>5}{lim['output_throughput']:>11.1f}"
+                             f"{100:>8}%{lim['prefill_ms']:>10.0f}{'':>10}"
+                             f"{lim['decode_step_ms']:>9.0f}")
+            for name, by_c in rows.items():
+                s = by_c.get(c) if name != "limit" else None
+                if not s:
+                    continue
+                pct = (f"{100 * s['output_throughput'] / limit[c]['output_throughput']:>8.0f}%"
+                       if c in limit else f"{'':>9}")
+                lines.append(f"{name:<36}{c:>5}{s['output_throughput']:>11.1f}{pct}"
+                             f"{_ms(s['median_ttft_ms']):>10}{_ms(s['p99_ttft_ms']):>10}"
+                             f"{_ms(s['median_itl_ms']):>9}{_ms(s['p99_itl_ms']):>9}"
+                             f"{s['total_output_tokens']:>9}{s['failed']:>7}")
+            ratio = _best_peer_ratio(rows, c)
+            if ratio:
+                lines.append(f"{'  raygen / best peer':<36}{c:>5}{ratio:>10.2f}x")
+    return "\n".join(lines)
+
+
+def _best_peer_ratio(rows: dict, c: int) -> float | None:
+    ours = [by_c[c]["output_throughput"] for name, by_c in rows.items()
+            if name.startswith("raygen TP") and c in by_c]
+    peers = [by_c[c]["output_throughput"] for name, by_c in rows.items()
+             if name != "limit" and not name.startswith("raygen") and c in by_c]
+    if not ours or not peers or max(peers) == 0:
+        return None
+    return max(ours) / max(peers)
+
+
+def plot(results: dict, workload: Workload, path: Path, machine: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed (pip install -e '.[bench]'): no plot")
+        return False
+    rows = results[workload.name]
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
+    panels = (("output_throughput", "output tokens/s", False),
+              ("median_ttft_ms", "TTFT p50 (ms, log)", True),
+              ("median_itl_ms", "ITL p50 (ms, log)", True))
+    for ax, (key, label, log) in zip(axes, panels, strict=True):
+        for name, by_c in rows.items():
+            if name == "limit":
+                limit_key = {"output_throughput": "output_throughput",
+                             "median_ttft_ms": "prefill_ms", "median_itl_ms": "decode_step_ms"}[key]
+                xs = sorted(by_c)
+                ax.plot(xs, [by_c[c][limit_key] for c in xs], "k--", label="limit (forward only)")
+                continue
+            xs = [c for c in sorted(by_c) if by_c[c].get(key) is not None]
+            if xs:
+                ax.plot(xs, [by_c[c][key] for c in xs], "o-", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(workload.concurrency, [str(c) for c in workload.concurrency])
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("concurrency")
+        ax.set_title(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{workload.name}: {workload.input_len}-token prompts, {workload.output_len} new "
+                 f"tokens, greedy, streaming -- {machine}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return True
+
+
+def machine_description(model: str) -> str:
+    import platform
+
+    import torch
+
+    cores = len(os.sched_getaffinity(0))
+    return (f"{cores} CPU cores, no GPU, {platform.python_version()}, torch {torch.__version__}, "
+            f"model {Path(model).name}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="models/demo-small")
+    p.add_argument("--servers", default="raygen-tp1,transformers-serve,serve-batch",
+                   help="comma list of raygen-tp1, raygen-tp2, raygen-default-proxy, "
+                        "transformers-serve, serve-batch")
+    p.add_argument("--concurrency", default="1,8,32,64", help="prefill-heavy workload levels")
+    p.add_argument("--decode-heavy-concurrency", default="32",
+                   help="levels for the decode-heavy workload ('' skips it)")
+    p.add_argument("--prompts-per-concurrency", type=int, default=3)
+    p.add_argument("--min-prompts", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=32, help="@serve.batch max_batch_size")
+    p.add_argument("--peers-venv", default=str(ROOT / ".venv-peers"))
+    p.add_argument("--no-limit", dest="limit", action="store_false")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = p.parse_args(argv)
+    args.model = str(Path(args.model).resolve())
+    args.servers = [s for s in args.servers.split(",") if s]
+    args.raygen_tp = sorted({int(s.removeprefix("raygen-tp")) for s in args.servers
+                             if s.startswith("raygen-tp")})
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if not (Path(args.model) / "config.json").exists():
+        from shards.demo_model import write_demo_model
+
+        write_demo_model(args.model, "small")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    workloads = [Workload("prefill-heavy", 128, 64,
+                          concurrency=[int(c) for c in args.concurrency.split(",")])]
+    if args.decode_heavy_concurrency:
+        workloads.append(Workload("decode-heavy", 32, None, (16, 256),
+                                  [int(c) for c in args.decode_heavy_concurrency.split(",")]))
+    machine = machine_description(args.model)
+    results: dict = {w.name: {} for w in workloads}
+    started = time.time()
+    servers = make_servers(args)
+    for server in servers:
+        print(f"== {server.name} ({server.note})", flush=True)
+        proc = start(server, out_dir / f"{server.key}.log")
+        try:
+            for workload in workloads:
+                for c in workload.concurrency:
+                    summary = run_load(workload, c, args)
+                    results[workload.name].setdefault(server.name, {})[c] = summary
+                    print(f"   {workload.name} c={c}: {summary['output_throughput']:.1f} out tok/s, "
+                          f"TTFT p50 {_ms(summary['median_ttft_ms'])} ms, ITL p50 "
+                          f"{_ms(summary['median_itl_ms'])} ms, failed {summary['failed']}",
+                          flush=True)
+        finally:
+            stop(proc)
+    if args.limit:
+        for workload in workloads:
+            results[workload.name]["limit"] = measure_limit(workload, args, out_dir)
+    report = table(results, workloads)
+    print(f"\nMachine: {machine}. Wall time {time.time() - started:.0f} s.{report}")
+    payload = {"machine": machine, "servers": {s.name: s.note for s in servers},
+               "workloads": [vars(w) for w in workloads], "results": results, "table": report}
+    (out_dir / "compare.json").write_text(json.dumps(payload, indent=2, default=str))
+    if plot(results, workloads[0], out_dir / "compare.png", machine):
+        print(f"plot: {out_dir / 'compare.png'}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
