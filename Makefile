@@ -11,7 +11,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install serve serve-fast test lint demo-model bench-offline bench-compare peers clean \
-        prometheus haproxy
+        prometheus
 
 install: $(STAMP)
 
@@ -33,9 +33,9 @@ serve: install demo-model
 	$(VENV)/bin/serve run serve_config.yaml
 
 # Ray Serve's throughput mode: the ingress replica serves HTTP itself behind HAProxy (no
-# proxy actor hop), gRPC between replicas. HAProxy listens on all interfaces (README).
+# proxy actor hop; ray[serve] brings the binary), gRPC between replicas (README).
 FAST_ENV := RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1
-serve-fast: install demo-model haproxy
+serve-fast: install demo-model
 	$(FAST_ENV) $(VENV)/bin/serve run serve_config.yaml
 
 lint: install
@@ -48,14 +48,7 @@ prometheus:
 	   --no-install-recommends prometheus) >/dev/null 2>&1; } || \
 	  echo "prometheus not installed: tests/deployments/test_prometheus.py will be skipped"
 
-# Debian's haproxy, for Serve's throughput mode (make serve-fast, tests/e2e/test_fast_mode.py).
-haproxy:
-	@command -v haproxy >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
-	   --no-install-recommends haproxy) >/dev/null 2>&1; } || \
-	  echo "haproxy not installed: tests/e2e/test_fast_mode.py will be skipped"
-
-test: install lint prometheus haproxy
+test: install lint prometheus
 	$(PY) -m pytest -q -x --durations=15
 
 bench-offline: install
@@ -71,7 +64,7 @@ $(PEERS)/.installed:
 	$(PEERS)/bin/pip install -q 'transformers[serving]>=5,<6' torch==2.13.0
 	touch $@
 
-peers: install haproxy $(PEERS)/.installed
+peers: install $(PEERS)/.installed
 	$(PIP) install -q -e '.[test,bench]' torch==2.13.0
 
 bench-compare: peers

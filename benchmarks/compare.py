@@ -8,8 +8,8 @@ not), greedy, streaming, through `benchmarks.serve`, and measures the forward-on
 (`benchmarks.limit`) in the same run. Prints one table and writes a JSON result and a PNG
 plot (output tokens/s, TTFT p50 and ITL p50 against concurrency) to `--out`.
 
-Servers: raygen (Serve in its throughput mode: direct ingress behind HAProxy when haproxy
-is installed), `transformers serve --continuous-batching` (transformers 5, from its own venv:
+Servers: raygen (Serve's throughput mode, as `make serve-fast`: direct ingress behind
+HAProxy; `raygen-default-proxy` is Serve's defaults), `transformers serve --continuous-batching` (transformers 5, from its own venv:
 `make peers`), and Ray Serve with `@serve.batch` around `generate`
 (benchmarks/peer_serve_batch.py). Requests carry no `ignore_eos` (transformers serve refuses
 unknown fields), so every server runs the same greedy outputs; the table shows the output
@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -64,6 +63,9 @@ class Server:
     command: list[str]
     env: dict[str, str]
     note: str = ""
+    # `serve run` stops cleanly on Ctrl-C (SIGTERM can orphan its HAProxy); transformers
+    # serve hangs on SIGINT and stops on SIGTERM.
+    stop_signal: int = signal.SIGINT
 
 
 def _serve_config(import_path: str, args: dict, host: str = "127.0.0.1") -> str:
@@ -80,9 +82,10 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
     serve_bin = str(Path(sys.executable).with_name("serve"))
     base_env = {"RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
                 "RAY_ENABLE_AUTO_CONNECT": "0"}
-    fast = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
-    if shutil.which("haproxy"):
-        fast["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+    # Serve's throughput mode (make serve-fast); ray[serve] ships the HAProxy binary.
+    # Direct ingress drains >= 30 s on shutdown by default; nothing is in flight here.
+    fast = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
     servers = {}
     for tp in args.raygen_tp:
         servers[f"raygen-tp{tp}"] = Server(
@@ -90,7 +93,7 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
             [serve_bin, "run", _serve_config("deployments.app:build_app",
                                              {"model": args.model, "tensor_parallel_size": tp})],
             {**base_env, **fast},
-            "Ray Serve throughput mode" + (" + HAProxy" if "RAY_SERVE_ENABLE_HA_PROXY" in fast else ""))
+            "Ray Serve throughput mode: HAProxy, direct ingress, gRPC")
     servers["raygen-default-proxy"] = Server(
         "raygen-default-proxy", "raygen, Serve's default proxy",
         [serve_bin, "run", _serve_config("deployments.app:build_app", {"model": args.model})],
@@ -100,7 +103,7 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
         "transformers-serve", "transformers serve (CB)",
         [str(tf_bin), "serve", args.model, "--continuous-batching", "--device", "cpu",
          "--host", "127.0.0.1", "--port", str(PORT)],
-        base_env, "transformers 5, continuous batching, paged attention")
+        base_env, "transformers 5, continuous batching, paged attention", signal.SIGTERM)
     servers["serve-batch"] = Server(
         "serve-batch", "Ray Serve @serve.batch + generate",
         [serve_bin, "run", _serve_config("benchmarks.peer_serve_batch:build",
@@ -141,24 +144,26 @@ def start(server: Server, log_path: Path, timeout_s: float = 600) -> subprocess.
         except httpx.HTTPError:
             pass
         time.sleep(1)
-    stop(proc)
+    stop(proc, server.stop_signal)
     raise RuntimeError(f"{server.name} not healthy in {timeout_s:.0f} s; see {log_path}")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the whole session (`serve run` then stops its own Ray cluster)."""
-    for sig, wait_s in ((signal.SIGTERM, 90), (signal.SIGKILL, 10)):
+def stop(proc: subprocess.Popen, first: int = signal.SIGINT) -> None:
+    """Stop the server's whole session, as a user would first, then harder."""
+    for sig, wait_s in ((first, 90), (signal.SIGTERM, 30), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
+            break
         try:
             proc.wait(wait_s)
             break
         except subprocess.TimeoutExpired:
             continue
     deadline = time.monotonic() + 60
-    while not _port_free() and time.monotonic() < deadline:
+    while not _port_free():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"port {PORT} still in use after the server stopped")
         time.sleep(1)
 
 
@@ -338,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
                           f"{_ms(summary['median_itl_ms'])} ms, failed {summary['failed']}",
                           flush=True)
         finally:
-            stop(proc)
+            stop(proc, server.stop_signal)
     if args.limit:
         for workload in workloads:
             results[workload.name]["limit"] = measure_limit(workload, args, out_dir)

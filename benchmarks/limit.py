@@ -33,18 +33,23 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(model: str, input_len: int, batch_sizes: list[int], repeats: int = 5) -> dict:
+def measure(model: str, input_len: int, batch_sizes: list[int], repeats: int = 5,
+            decode_context: int | None = None) -> dict:
+    """Prefill of `input_len` tokens; decode steps with `decode_context` tokens already in
+    each sequence (default input_len; a workload's mean is input_len + output_len / 2)."""
     block_size = 16
-    blocks_per_seq = -(-(input_len + 2 * repeats + 8) // block_size)
+    decode_context = decode_context or input_len
+    longest = max(input_len, decode_context)
+    blocks_per_seq = -(-(longest + 2 * repeats + 8) // block_size)
     num_blocks = blocks_per_seq * max(batch_sizes) + 1
     runner = ModelRunner(ShardConfig(model=model, num_blocks=num_blocks, block_size=block_size))
     runner.allocate_kv_cache(num_blocks)
     params = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)
-    prompt = [1] + [10 + i % 1000 for i in range(input_len - 1)]
 
-    def new(i: int) -> NewRequestData:
+    def new(i: int, length: int = input_len) -> NewRequestData:
         blocks = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-        return NewRequestData(f"r{i}", list(prompt), input_len, blocks, 0, params, seed=i)
+        tokens = [1] + [10 + j % 1000 for j in range(length - 1)]
+        return NewRequestData(f"r{i}", tokens, length, blocks, 0, params, seed=i)
 
     def prefill_one() -> None:
         runner.step(StepInput([new(0)], [], {"r0": input_len}, ["r0"]))
@@ -52,9 +57,9 @@ def measure(model: str, input_len: int, batch_sizes: list[int], repeats: int = 5
     result = {"prefill_s": _timed(prefill_one, repeats), "decode_step_s": {}}
     for batch in batch_sizes:
         ids = [f"r{i}" for i in range(batch)]
-        runner.step(StepInput([new(i) for i in range(batch)], [], dict.fromkeys(ids, input_len),
-                              list(runner.seqs)))
-        position = {"n": input_len}
+        runner.step(StepInput([new(i, decode_context) for i in range(batch)], [],
+                              dict.fromkeys(ids, decode_context), list(runner.seqs)))
+        position = {"n": decode_context}
 
         def decode(ids: list[str] = ids, position: dict = position) -> None:
             cached = [CachedRequestData(r, [11], [], position["n"]) for r in ids]
@@ -80,6 +85,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="output tokens per request (a workload's mean)")
     parser.add_argument("--batch-sizes", default="1,8,32,64")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--decode-context", type=int, default=None,
+                        help="tokens in each sequence during the timed decode steps "
+                             "(default: input-len + output-len / 2, the workload's mean)")
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args(argv)
     if not (Path(args.model) / "config.json").exists():
@@ -87,8 +95,10 @@ def main(argv: list[str] | None = None) -> dict:
 
         write_demo_model(args.model, "small")
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    timings = measure(args.model, args.input_len, batches, args.repeats)
-    print(f"prefill of {args.input_len} tokens: {timings['prefill_s'] * 1000:.1f} ms")
+    decode_context = args.decode_context or int(args.input_len + args.output_len / 2)
+    timings = measure(args.model, args.input_len, batches, args.repeats, decode_context)
+    print(f"prefill of {args.input_len} tokens: {timings['prefill_s'] * 1000:.1f} ms; "
+          f"decode steps at {decode_context} tokens of context")
     out = {"timings": timings, "limit_output_tok_s": {}}
     for batch in batches:
         step = timings["decode_step_s"][batch]

@@ -25,6 +25,8 @@ StepFn = Callable[[StepInput], Awaitable[StepOutput | None]]
 SUPERVISE_INTERVAL_S = 1.0
 # Called after every step that ran: (what was scheduled, seconds the step took).
 StepHook = Callable[[SchedulerOutput, float], None]
+# A step in flight: what was scheduled, the running forward, when it started.
+_Step = tuple[SchedulerOutput, asyncio.Future, float]
 
 
 class AsyncEngine:
@@ -101,29 +103,52 @@ class AsyncEngine:
     def _loop_ended(self, task: asyncio.Task) -> None:
         logger.warning("engine loop ended: %s", self.loop_state())
 
+    def _start_step(self) -> _Step | None:
+        """Schedule the next step and start it on the shards (None: nothing to run now)."""
+        scheduled = self.engine.schedule()
+        if scheduled.is_empty:  # requests may still have finished without running
+            self._dispatch(self.engine.process(scheduled, None))
+            return None
+        return scheduled, asyncio.ensure_future(self.run_step(scheduled.step_input)), \
+            time.perf_counter()
+
     async def _run_loop(self) -> None:
+        # Pipelined: step N+1 is scheduled and started as soon as step N's results are
+        # applied, and only then are step N's outputs handed to the consumers, so that
+        # streaming them out (one message per request) overlaps the next forward instead
+        # of sitting between two forwards. Aborts and new requests still land between
+        # steps: a step's blocks are never freed for reuse before its result is applied.
+        step: _Step | None = None
         while True:
-            if not self.engine.has_unfinished_requests():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            scheduled = None
             try:
-                scheduled = self.engine.schedule()
-                output = None
-                if not scheduled.is_empty:
-                    started = time.perf_counter()
-                    output = await self.run_step(scheduled.step_input)
-                    if self.on_step is not None:
-                        self.on_step(scheduled, time.perf_counter() - started)
-                self._dispatch(self.engine.process(scheduled, output))
+                if step is None:
+                    if not self.engine.has_unfinished_requests():
+                        self._wakeup.clear()
+                        await self._wakeup.wait()
+                        continue
+                    step = self._start_step()
+                    if step is None:
+                        await asyncio.sleep(0.001)
+                        continue
+                (scheduled, running, started), step = step, None
+                output = await running
+                if self.on_step is not None:
+                    self.on_step(scheduled, time.perf_counter() - started)
+                outputs = self.engine.process(scheduled, output)
+                try:
+                    if self.engine.has_unfinished_requests():
+                        step = self._start_step()
+                finally:  # even if scheduling failed, these results are owed
+                    self._dispatch(outputs)
             except Exception as exc:  # a shard or the engine failed: fail all, never hang
+                if step is not None:
+                    step[1].cancel()
+                    step = None
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 logger.exception("step failed, failing %d requests", len(self._queues))
                 self._dispatch(self.engine.fail_all(self.last_error))
                 continue
-            # Let consumers and new requests in between steps.
-            await asyncio.sleep(0 if scheduled is not None and not scheduled.is_empty else 0.001)
+            await asyncio.sleep(0)  # let consumers and new requests in
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -35,5 +35,6 @@ def test_compare_runs_each_server_in_turn_on_the_same_prompts(llama_dir, tmp_pat
             assert ours["median_itl_ms"] is not None  # raygen streams token by token ...
             assert peer["median_itl_ms"] is None  # ... the static batch answers at once
             assert rows["limit"][c]["output_throughput"] > 0
-    assert result["results"]["prefill-heavy"]["raygen TP=1"][1]["total_input_tokens"] == 3 * 128
+    # Text prompts of exactly 128 tokens, plus the BOS the server adds.
+    assert result["results"]["prefill-heavy"]["raygen TP=1"][1]["total_input_tokens"] == 3 * 129
     assert "raygen / best peer" in printed and "limit (forward only)" in printed
