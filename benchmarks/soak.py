@@ -1,11 +1,14 @@
 """Soak: a bounded mixed load on a running server (loopback only), then the account.
 
     python -m benchmarks.soak [--url http://127.0.0.1:8000] [--duration 60] [--concurrency 16]
+    python -m benchmarks.soak --chaos [--duration 300] [--kill-every 30 60] [--kills K]
 
 Mixes streaming and plain TGI requests, OpenAI chat, streams cancelled part way, and bad
 requests. Every request must end in one of: succeeded (complete output), rejected as
 expected (a bad request got its 4xx), failed with a clear error (an error body or event).
-Anything else is lost, and the run exits non-zero when anything was lost."""
+A request that gets nothing for the client's read timeout is hung; one that ends otherwise
+(a cut connection, a stream with neither details nor error) is lost. The run exits non-zero
+when anything hung or was lost. `--chaos` kills server processes under load (chaos.py)."""
 
 from __future__ import annotations
 
@@ -35,10 +38,10 @@ BAD_BODIES = [
 @dataclass
 class Tally:
     counts: Counter = field(default_factory=Counter)
-    lost: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)  # ended with neither output nor error
 
     def as_dict(self) -> dict:
-        return {"sent": sum(self.counts.values()) + len(self.lost), **self.counts,
+        return {"sent": sum(self.counts.values()) + len(self.lost), "hung": 0, **self.counts,
                 "lost": len(self.lost)}
 
 
@@ -106,7 +109,9 @@ async def one(client: httpx.AsyncClient, url: str, kind: str, rng: random.Random
             tally.counts["failed_with_error"] += 1
         else:
             tally.lost.append(f"stream ended without details or error after {seen} events")
-    except (httpx.TimeoutException, httpx.RemoteProtocolError) as exc:
+    except httpx.TimeoutException:  # nothing for the client's whole read timeout
+        tally.counts["hung"] += 1
+    except httpx.HTTPError as exc:  # a connection cut or refused: no output, no error
         tally.lost.append(f"{kind}: {type(exc).__name__}")
 
 
@@ -143,16 +148,38 @@ async def soak(url: str, duration: float, concurrency: int, seed: int = 0) -> di
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--duration", type=float, default=60)
+    parser.add_argument("--duration", type=float, default=None,
+                        help="seconds (default 60; 300 with --chaos)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--chaos", action="store_true",
+                        help="streams only, and SIGKILL a shard or batcher process now and "
+                             "then (benchmarks/chaos.py); duration defaults to 300 s")
+    parser.add_argument("--kill-every", type=float, nargs=2, default=(30.0, 60.0),
+                        metavar=("MIN", "MAX"), help="--chaos: seconds between kills")
+    parser.add_argument("--kills", type=int, default=None,
+                        help="--chaos: stop after this many kills, once they recovered")
+    parser.add_argument("--targets", default="shard,batcher",
+                        help="--chaos: which processes to kill (shard, batcher)")
+    parser.add_argument("--result-file", default=None, help="write the result as JSON")
     args = parser.parse_args(argv)
     if not args.url.startswith(("http://127.", "http://localhost", "http://[::1]")):
         parser.error("soak only targets this machine (loopback)")
-    result = asyncio.run(soak(args.url, args.duration, args.concurrency, args.seed))
+    if args.chaos:
+        from benchmarks.chaos import chaos, succeeded
+
+        result = asyncio.run(chaos(
+            args.url, args.duration or 300.0, args.concurrency,
+            tuple(args.kill_every), args.kills, args.targets.split(","), args.seed))
+        ok = succeeded(result)
+    else:
+        result = asyncio.run(soak(args.url, args.duration or 60.0, args.concurrency, args.seed))
+        ok = not result["lost"] and not result["hung"]
     for key, value in result.items():
         print(f"{key + ':':24s} {value}")
-    raise SystemExit(1 if result["lost"] else 0)
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(result, indent=1))
+    raise SystemExit(0 if ok else 1)
 
 
 if __name__ == "__main__":

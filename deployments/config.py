@@ -40,6 +40,9 @@ class AppArgs(BaseModel):
     attention_backend: Literal["auto", "torch", "flash"] = "auto"
     cpu_threads: int | None = Field(None, ge=1)
     compiled_graph: bool | None = None
+    debug_prefill_delay_s: float = Field(
+        0.0, ge=0, description="testing only: shards sleep this long before each step that "
+                               "admits requests (long steps without long prompts)")
     # Server limits (TGI's names and defaults).
     max_concurrent_requests: int = Field(128, ge=1)
     max_input_tokens: int | None = Field(None, ge=1)
@@ -93,7 +96,8 @@ class AppArgs(BaseModel):
             block_size=self.block_size,
             num_blocks=self.num_blocks, kv_cache_memory=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
-            attention_backend=self.attention_backend, cpu_threads=self.cpu_threads)
+            attention_backend=self.attention_backend, cpu_threads=self.cpu_threads,
+            debug_prefill_delay_s=self.debug_prefill_delay_s)
 
     def placement_group_bundles(self) -> list[dict[str, float]]:
         """Bundle 0 holds the batcher replica, bundle i + 1 shard rank i."""

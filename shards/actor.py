@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,9 +22,10 @@ from shards.model_runner import ModelRunner, ShardConfig, resolve_device
 
 logger = logging.getLogger(__name__)
 
-# A collective that waits this long means a peer is gone; the group notices a dead actor
-# far sooner (Ray fails its pending call), this only bounds a stuck survivor.
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
+# Only bounds a survivor stuck in a collective whose peer is gone; the group notices a dead
+# rank far sooner (from the GCS) and kills the survivors. It must exceed any step's length:
+# a rank that is slow (a long prefill on a busy core) is not dead.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 
 
 def free_port() -> int:
@@ -78,10 +80,9 @@ class ShardActor:
         self.runner.allocate_kv_cache(num_blocks)
 
     def step(self, step_input: StepInput) -> StepOutput | None:
+        if self.config.debug_prefill_delay_s and step_input.new_requests:
+            time.sleep(self.config.debug_prefill_delay_s)  # tests: a long step, on purpose
         return self.runner.step(step_input)
-
-    def check_health(self) -> bool:
-        return self.runner is not None
 
     def placement(self) -> dict:
         """Where Ray put this rank: for tests and the dashboard."""

@@ -2,19 +2,27 @@
 
 Inside a placement group (a Serve replica's), rank i goes in bundle i + 1 (bundle 0 is the
 replica's own); otherwise ranks are plain actors with a fraction of a CPU. A step puts its
-input in the object store once and passes that one ref to every rank. Results are watched
-as they arrive, so a dead rank fails the step as soon as Ray reports it, even while the
-survivors are blocked in a collective waiting for it."""
+input in the object store once and passes that one ref to every rank (or, for TP > 1, goes
+through a compiled graph's shared-memory channels).
+
+A step's duration is never a failure: steps are waited on without a deadline. Only a dead
+rank or an error fails the group. Liveness comes from the GCS (is the actor process alive?),
+never from a call to the actor, which would queue behind the step it is running. A watchdog
+thread asks the GCS every second while a step is in flight, so a rank that dies mid-step
+fails the step within a second or two even while the survivors are blocked in a collective
+waiting for it."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -25,8 +33,11 @@ from shards.model_runner import ShardConfig
 logger = logging.getLogger(__name__)
 
 
-# How often a step waiting on a compiled graph asks the GCS whether a rank died.
+# How often the watchdog asks the GCS whether a rank died while a step is in flight.
 WATCHDOG_INTERVAL_S = 1.0
+# A step that failed without a rank reported dead: how long to keep asking the GCS
+# before blaming no rank (a process killed a moment ago may not be marked dead yet).
+DEATH_REPORT_GRACE_S = 3.0
 
 
 class ShardError(RuntimeError):
@@ -44,28 +55,16 @@ class ShardGroup:
         # the cores. None picks what was faster: compiled for tp > 1.
         self.use_compiled_graph = (tensor_parallel_size > 1 if compiled_graph is None
                                    else compiled_graph)
-        self._graph = None  # compiled on first step
+        self._graph = None  # compiled at warmup, so no serving step pays for it
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="shard-group")
+        self._lock = threading.Lock()  # the step thread and the watchdog may both fail us
+        self._step_in_flight = threading.Event()
+        self._closed = threading.Event()
         self.tensor_parallel_size = tensor_parallel_size
         self.healthy = False
         self.error: str | None = None
-        pg = get_current_placement_group()
-        self.actors = []
-        for rank in range(tensor_parallel_size):
-            options: dict = {"max_restarts": 0, "max_task_retries": 0}
-            if pg is not None:
-                bundle = pg.bundle_specs[rank + 1]
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=rank + 1)
-                options["num_gpus"] = 1 if bundle.get("GPU") else 0
-                options["num_cpus"] = bundle.get("CPU", 0)
-            else:
-                options["num_gpus"] = 1 if use_gpu else 0
-                options["num_cpus"] = num_cpus_per_shard
-            if name_prefix:
-                options["name"] = f"{name_prefix}shard-{rank}"
-            actor_cls = ray.remote(ShardActor).options(**options)
-            self.actors.append(actor_cls.remote(config, rank, tensor_parallel_size))
+        self.actors = [self._create_actor(rank, use_gpu, num_cpus_per_shard, name_prefix)
+                       for rank in range(tensor_parallel_size)]
         try:
             address, port = ray.get(self.actors[0].rendezvous_address.remote(),
                                     timeout=init_timeout_s)
@@ -76,10 +75,30 @@ class ShardGroup:
             raise
         self.num_blocks = 0
         self.healthy = True
+        self._watchdog = threading.Thread(target=self._watch, name="shard-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _create_actor(self, rank: int, use_gpu: bool, num_cpus: float, name_prefix: str | None):
+        options: dict = {"max_restarts": 0, "max_task_retries": 0}
+        pg = get_current_placement_group()
+        if pg is not None:
+            bundle = pg.bundle_specs[rank + 1]
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=rank + 1)
+            options["num_gpus"] = 1 if bundle.get("GPU") else 0
+            options["num_cpus"] = bundle.get("CPU", 0)
+        else:
+            options["num_gpus"] = 1 if use_gpu else 0
+            options["num_cpus"] = num_cpus
+        if name_prefix:
+            options["name"] = f"{name_prefix}shard-{rank}"
+        return ray.remote(ShardActor).options(**options).remote(
+            self.config, rank, self.tensor_parallel_size)
 
     def warmup(self, max_batch_prefill_tokens: int, max_batch_total_tokens: int | None = None,
                timeout_s: float = 600.0) -> int:
-        """Size the KV cache (the smallest any rank can hold) and allocate it everywhere."""
+        """Size the KV cache (the smallest any rank can hold), allocate it everywhere, and
+        compile the step graph: start-up work, which Serve does not health-check."""
         counts = ray.get([a.profile_num_blocks.remote(max_batch_prefill_tokens)
                           for a in self.actors], timeout=timeout_s)
         num_blocks = min(counts)
@@ -87,18 +106,14 @@ class ShardGroup:
             num_blocks = min(num_blocks, -(-max_batch_total_tokens // self.config.block_size))
         ray.get([a.allocate_kv_cache.remote(num_blocks) for a in self.actors], timeout=timeout_s)
         self.num_blocks = num_blocks
+        if self.use_compiled_graph:
+            self._compiled()
         logger.info("KV cache: %d blocks x %d tokens = max_batch_total_tokens %d (tp=%d)",
                     num_blocks, self.config.block_size, num_blocks * self.config.block_size,
                     self.tensor_parallel_size)
         return num_blocks
 
     # -- steps ---------------------------------------------------------------------------
-    def _submit(self, step_input: StepInput) -> list[ray.ObjectRef]:
-        if not self.healthy:
-            raise ShardError(self.error or "shard group is shut down")
-        ref = ray.put(step_input)
-        return [a.step.remote(ref) for a in self.actors]
-
     def _compiled(self):
         """A Ray Compiled Graph over the ranks' step: shared-memory channels instead of an
         object-store put and one actor call per rank (see benchmarks/step_overhead.py)."""
@@ -111,28 +126,42 @@ class ShardGroup:
         return self._graph
 
     def step(self, step_input: StepInput) -> StepOutput | None:
-        if self.use_compiled_graph:
-            if not self.healthy:
-                raise ShardError(self.error or "shard group is shut down")
-            try:
-                refs = self._compiled().execute(step_input)
-                while True:
-                    try:
-                        return ray.get(refs, timeout=WATCHDOG_INTERVAL_S)[0]
-                    except GetTimeoutError:
-                        self._raise_if_rank_dead()
-            except ShardError:
-                raise
-            except Exception as exc:  # any failure of the graph ends it: the group is done
-                raise self._fail(self._dead_rank(), exc) from exc
-        pending = self._submit(step_input)
-        results: dict[ray.ObjectRef, object] = {}
-        refs = list(pending)
-        while pending:
+        if not self.healthy:
+            raise ShardError(self.error or "shard group is shut down")
+        self._step_in_flight.set()
+        try:
+            if self.use_compiled_graph:
+                return self._step_compiled(step_input)
+            return self._step_actor_calls(step_input)
+        finally:
+            self._step_in_flight.clear()
+
+    def _step_compiled(self, step_input: StepInput) -> StepOutput | None:
+        try:
+            refs = self._compiled().execute(step_input)
+            # timeout=-1: no deadline (Ray's default is RAY_CGRAPH_get_timeout, 10 s). A
+            # compiled ref can be read only once, and a timed-out read of several channels
+            # drops what it had read, so it cannot be polled; the watchdog thread watches
+            # for dead ranks instead, and a death closes the channels under this read.
+            return [ref.get(timeout=-1) for ref in refs][0]
+        except Exception as exc:  # any failure of the graph ends it: the group is done
+            raise self._fail(self._wait_for_dead_rank(), exc) from exc
+
+    def _step_actor_calls(self, step_input: StepInput) -> StepOutput | None:
+        ref = ray.put(step_input)
+        refs = [a.step.remote(ref) for a in self.actors]
+        pending, result = list(refs), None
+        while pending:  # a dead rank's ref resolves (to its error) without a deadline
             ready, pending = ray.wait(pending, num_returns=1)
-            for ref in ready:
-                results[ref] = self._get(ref, refs.index(ref))
-        return results[refs[0]]
+            for done in ready:
+                rank = refs.index(done)
+                try:
+                    value = ray.get(done)
+                except (RayActorError, RayTaskError) as exc:
+                    raise self._fail(rank, exc) from exc
+                if rank == 0:
+                    result = value
+        return result
 
     async def step_async(self, step_input: StepInput) -> StepOutput | None:
         """`step` on this group's own thread, so the event loop never blocks. Ray refs are
@@ -144,67 +173,83 @@ class ShardGroup:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self.step, step_input)
 
-    def _get(self, ref: ray.ObjectRef, rank: int):
-        try:
-            return ray.get(ref)
-        except (RayActorError, RayTaskError) as exc:
-            raise self._fail(rank, exc) from exc
+    # -- liveness --------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._closed.wait(WATCHDOG_INTERVAL_S):
+            if not self._step_in_flight.is_set():
+                continue
+            try:
+                rank = self._dead_rank()
+            except Exception:  # the GCS did not answer this time: ask again next tick
+                logger.warning("watchdog: could not read actor states", exc_info=True)
+                continue
+            if rank is not None:
+                self._fail(rank, RayActorError(error_msg=f"rank {rank} is dead"))
 
-    def _raise_if_rank_dead(self) -> None:
-        rank = self._dead_rank()
-        if rank >= 0:
-            raise self._fail(rank, RayActorError(error_msg=f"rank {rank} is dead"))
-
-    def _dead_rank(self) -> int:
-        """The first rank the GCS reports dead (-1 if none is, yet)."""
+    def _dead_rank(self) -> int | None:
+        """The first rank the GCS reports dead, if any."""
         from ray._private import state
 
         for rank, actor in enumerate(self.actors):
             info = state.actors(actor._actor_id.hex())
             if info and info.get("State") == "DEAD":
                 return rank
-        return -1
+        return None
 
-    def _fail(self, rank: int, exc: Exception) -> ShardError:
-        if not self.healthy and self.error:  # already failed (watchdog and step both saw it)
+    def _wait_for_dead_rank(self) -> int | None:
+        deadline = time.monotonic() + DEATH_REPORT_GRACE_S
+        while (rank := self._dead_rank()) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return rank
+
+    def _fail(self, rank: int | None, exc: Exception) -> ShardError:
+        with self._lock:
+            if not self.healthy and self.error:  # already failed (watchdog and step both saw it)
+                return ShardError(self.error)
+            if rank is not None and (isinstance(exc, RayActorError) or self._dead_rank() == rank):
+                self.error = f"shard rank {rank} died (its actor process is gone)"
+            elif rank is not None:
+                self.error = f"shard rank {rank} failed: {type(exc).__name__}: {str(exc)[:300]}"
+            else:
+                self.error = (f"shard group step failed (no rank died): "
+                              f"{type(exc).__name__}: {str(exc)[:300]}")
+            logger.error(self.error)
+            self.shutdown()
             return ShardError(self.error)
-        if isinstance(exc, RayActorError) or (rank >= 0 and self._dead_rank() == rank):
-            self.error = f"shard rank {rank} died (its actor process is gone)"
-        else:
-            self.error = f"shard rank {rank} failed: {type(exc).__name__}: {str(exc)[:300]}"
-        logger.error(self.error)
-        # Ray tears a compiled graph down itself after a system error; waiting on that here
-        # could block on a survivor stuck in a collective with the dead rank, so just kill.
-        self._graph = None
-        self.shutdown()
-        return ShardError(self.error)
 
-    # -- health ----------------------------------------------------------------------
-    def check_health(self, timeout_s: float = 10.0) -> bool:
+    def check_health(self) -> bool:
+        """Whether every rank's process is alive, by the GCS: a busy rank is healthy."""
         if not self.healthy:
             return False
-        try:
-            ok = ray.get([a.check_health.remote() for a in self.actors], timeout=timeout_s)
-        except (RayActorError, RayTaskError, GetTimeoutError) as exc:
-            self.error = f"health check failed: {type(exc).__name__}"
-            self.shutdown()
+        rank = self._dead_rank()
+        if rank is not None:
+            self._fail(rank, RayActorError(error_msg=f"rank {rank} is dead"))
             return False
-        return all(ok)
+        return True
 
     def placements(self) -> Sequence[dict]:
         return ray.get([a.placement.remote() for a in self.actors], timeout=30)
 
     def shutdown(self) -> None:
         self.healthy = False
+        self._closed.set()
         self._executor.shutdown(wait=False)
-        graph, self._graph = self._graph, None
-        if graph is not None:
-            try:
-                graph.teardown(kill_actors=True)
-            except Exception:  # already torn down after an actor death
-                pass
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already gone
                 pass
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            # Tearing down closes the channels, which ends a read blocked on them; it then
+            # waits for the ranks' loops (up to RAY_CGRAPH_teardown_timeout), so it runs on
+            # a thread of its own rather than the caller's (the watchdog or a step).
+            threading.Thread(target=_teardown, args=(graph,), daemon=True,
+                             name="shard-graph-teardown").start()
+
+
+def _teardown(graph) -> None:
+    try:
+        graph.teardown(kill_actors=True)
+    except Exception:  # Ray may have torn it down itself after an actor died
+        logger.debug("compiled graph teardown", exc_info=True)

@@ -36,6 +36,9 @@ class ShardConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
     cpu_threads: int | None = None  # None: every core this process may use
+    # Testing only: each rank sleeps this long before a step that admits new requests, so
+    # tests get steps of any length without long prompts.
+    debug_prefill_delay_s: float = 0.0
 
 
 @dataclass(slots=True)

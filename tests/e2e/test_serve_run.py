@@ -5,13 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,10 +15,7 @@ from text_generation import AsyncClient, Client
 
 from engine.sampling_params import SamplingParams
 from shards.offline import LLM
-
-BASE = "http://127.0.0.1:8000"
-ROOT = Path(__file__).resolve().parents[2]
-
+from tests.e2e.serving import BASE, serve_run
 
 # Serve's throughput mode: the ingress replica serves HTTP itself behind HAProxy (its binary
 # comes with ray[serve]), gRPC between replicas, user code on the replica's main loop
@@ -32,50 +24,12 @@ FAST_MODE = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY":
              "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}  # stop in seconds, not 30
 
 
-def _port_closed() -> bool:
-    try:
-        httpx.get(BASE + "/health", timeout=2)
-        return False
-    except httpx.HTTPError:
-        return True
-
-
 @pytest.fixture(scope="module", params=["default", "fast"])
 def server(request, llama_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
-           "RAY_ENABLE_AUTO_CONNECT": "0", **(FAST_MODE if request.param == "fast" else {})}
-    serve_bin = Path(sys.executable).with_name("serve")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([str(serve_bin), "run", "deployments.app:build_app",
-                                 f"model={llama_dir}", "num_blocks=1024"],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"serve run exited early:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(BASE + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"serve run not healthy in time:\n{log.read_text()[-3000:]}")
-            time.sleep(1)
+    env = FAST_MODE if request.param == "fast" else {}
+    with serve_run([f"model={llama_dir}", "num_blocks=1024"], log, env) as proc:
         yield proc
-    finally:
-        proc.send_signal(signal.SIGINT)  # as a user stops it
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        deadline = time.monotonic() + 30  # HAProxy included: the port is free again
-        while not _port_closed() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert _port_closed(), "something still serves on port 8000 after serve run stopped"
 
 
 @pytest.fixture(scope="module")

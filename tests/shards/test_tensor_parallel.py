@@ -12,6 +12,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from engine.async_engine import AsyncEngine
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
+from engine.messages import CachedRequestData, StepInput
 from engine.sampling_params import SamplingParams
 from shards.group import ShardError, ShardGroup
 from shards.model_config import ModelConfig
@@ -33,9 +34,11 @@ def ray_cluster():
 class GroupLLM:
     """Just enough of shards.offline.LLM for run_staggered, over a ShardGroup."""
 
-    def __init__(self, model_dir: str, tp: int, tokenizer, num_blocks: int = 256, **knobs):
-        self.group = ShardGroup(ShardConfig(model=model_dir, num_blocks=num_blocks), tp,
-                                num_cpus_per_shard=0.5)
+    def __init__(self, model_dir: str, tp: int, tokenizer, num_blocks: int = 256,
+                 prefill_delay_s: float = 0.0, compiled_graph: bool | None = None, **knobs):
+        config = ShardConfig(model=model_dir, num_blocks=num_blocks,
+                             debug_prefill_delay_s=prefill_delay_s)
+        self.group = ShardGroup(config, tp, num_cpus_per_shard=0.5, compiled_graph=compiled_graph)
         self.group.warmup(4096)
         mc = ModelConfig.from_pretrained(model_dir)
         self.engine = LLMEngine(SchedulerConfig(max_model_len=2048, **knobs),
@@ -159,3 +162,81 @@ def test_killing_a_shard_fails_in_flight_requests_fast_and_a_fresh_group_works(
         assert got == {f"r{i}": hf_greedy(llama_dir, p, 12) for i, p in enumerate(prompts[:2])}
     finally:
         fresh.group.shutdown()
+
+
+# Longer than every deadline the step path ever had: the watchdog interval (1 s), the old
+# health-check call (10 s) and Ray's compiled-graph read timeout (RAY_CGRAPH_get_timeout, 10 s).
+LONG_STEP_S = 15.0
+
+
+@pytest.mark.parametrize("compiled_graph", [True, False], ids=["compiled", "actor-calls"])
+def test_a_step_longer_than_any_deadline_completes_and_the_group_stays_healthy(
+        llama_dir, tokenizer, compiled_graph):
+    llm = GroupLLM(llama_dir, 2, tokenizer, prefill_delay_s=LONG_STEP_S,
+                   compiled_graph=compiled_graph)
+    assert llm.group.use_compiled_graph == compiled_graph
+    prompts = make_prompts(2048, [40, 7], seed=61)
+    params = SamplingParams(max_new_tokens=6)
+
+    async def main():
+        engine = AsyncEngine(llm.engine, llm.group.step_async)
+
+        async def consume(i, prompt):
+            return [t async for out in engine.generate(f"s{i}", prompt, params)
+                    for t in out.token_ids]
+
+        tasks = [asyncio.create_task(consume(i, p)) for i, p in enumerate(prompts)]
+        health_during_step = []
+        while not all(t.done() for t in tasks):  # asked while the long step runs
+            health_during_step.append(await asyncio.to_thread(llm.group.check_health))
+            await asyncio.sleep(2)
+        return await asyncio.gather(*tasks), health_during_step
+
+    try:
+        outputs, health = asyncio.run(main())
+        assert len(health) >= LONG_STEP_S / 2 - 1 and all(health), health
+        assert outputs == [hf_greedy(llama_dir, p, 6) for p in prompts]
+        assert llm.group.healthy and llm.group.check_health() and llm.group.error is None
+    finally:
+        llm.group.shutdown()
+
+
+def test_a_failure_that_is_no_death_names_what_failed(llama_dir, tokenizer):
+    llm = GroupLLM(llama_dir, 2, tokenizer)
+    try:
+        # A step for a request no rank has seen: every rank raises, none dies.
+        bad = StepInput([], [CachedRequestData("ghost", [1], [], 0)], {"ghost": 1})
+        with pytest.raises(ShardError) as info:
+            llm.group.step(bad)
+        assert "rank -1" not in str(info.value) and "KeyError" in str(info.value), info.value
+        assert "no rank died" in str(info.value)
+        assert not llm.group.healthy and not llm.group.check_health()
+    finally:
+        llm.group.shutdown()
+
+
+@pytest.mark.parametrize("compiled_graph", [True, False], ids=["compiled", "actor-calls"])
+def test_a_rank_that_dies_during_a_long_step_is_named_within_seconds(
+        llama_dir, tokenizer, compiled_graph):
+    llm = GroupLLM(llama_dir, 2, tokenizer, prefill_delay_s=LONG_STEP_S * 5,
+                   compiled_graph=compiled_graph)
+
+    async def main():
+        engine = AsyncEngine(llm.engine, llm.group.step_async)
+        outputs = engine.generate("long", make_prompts(2048, [30], seed=71)[0],
+                                  SamplingParams(max_new_tokens=4))
+        first = asyncio.create_task(anext(outputs))
+        await asyncio.sleep(2)  # the step is under way: every rank sleeps in it
+        assert not first.done()
+        ray.kill(llm.group.actors[1])
+        killed_at = time.monotonic()
+        out = await asyncio.wait_for(first, 30)
+        return out, time.monotonic() - killed_at
+
+    try:
+        out, took = asyncio.run(main())
+        assert took < 10  # the watchdog, not the step, noticed
+        assert out.finished and out.error == "ShardError: shard rank 1 died (its actor process is gone)"
+        assert not llm.group.check_health()
+    finally:
+        llm.group.shutdown()
