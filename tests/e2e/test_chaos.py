@@ -35,7 +35,7 @@ def stream(prompt: str, max_new_tokens: int, started: threading.Event, out: list
                 "inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}}) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
-                    out.append(json.loads(line[5:]))
+                    out.append((time.monotonic(), json.loads(line[5:])))
                     started.set()
     finally:
         started.set()
@@ -69,9 +69,17 @@ def test_shard_sigkill_ends_streams_with_an_error_then_serves_correct_output(ser
     for t in threads:
         t.join(30)
     assert not any(t.is_alive() for t in threads)
-    for out in outs:  # every stream ended, and said why
-        assert out and "shard rank" in out[-1].get("error", ""), out[-1:]
-        assert out[-1]["error_type"] == "generation"
+    # Every stream ended and said how: one that reached EOS before the kill with its
+    # details, every other one with the error naming the dead rank.
+    errors = 0
+    for out in outs:
+        at, last = out[-1]
+        if last.get("details") and at < killed_at:
+            continue
+        assert "shard rank" in last.get("error", ""), last
+        assert last["error_type"] == "generation"
+        errors += 1
+    assert errors >= len(outs) // 2
     assert seconds_until_serving(killed_at) < RECOVERY_LIMIT_S
     assert {pid for _, pid in server_processes(["shard"])}.isdisjoint(pid for _, pid in shards)
 
