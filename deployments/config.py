@@ -7,6 +7,7 @@ the keys of `args:` in serve_config.yaml."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -113,3 +114,20 @@ def token_limits(args: AppArgs, max_position_embeddings: int) -> tuple[int, int]
     if not args.enable_chunked_prefill:
         max_input = min(max_input, args.max_batch_prefill_tokens)
     return min(max_input, max_total - 1), max_total
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The server's request limits with the model's context resolved (TGI's names)."""
+
+    max_input_tokens: int
+    max_total_tokens: int
+    max_stop_sequences: int
+    max_best_of: int
+    max_top_n_tokens: int
+
+
+def server_limits(args: AppArgs, max_position_embeddings: int) -> Limits:
+    max_input, max_total = token_limits(args, max_position_embeddings)
+    return Limits(max_input, max_total, args.max_stop_sequences, args.max_best_of,
+                  args.max_top_n_tokens)

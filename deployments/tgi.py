@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments.config import Limits
 from engine.sampling_params import SamplingParams
 
 DEFAULT_GENERATION_LENGTH = 1024  # TGI's default max_new_tokens cap when unset
@@ -49,15 +50,6 @@ class TGIRequest(BaseModel):
     parameters: TGIParameters = Field(default_factory=TGIParameters)
     stream: bool = False
     add_special_tokens: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    max_input_tokens: int
-    max_total_tokens: int
-    max_stop_sequences: int
-    max_best_of: int
-    max_top_n_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,10 +152,3 @@ def token_json(token_id: int, text: str, logprob: float | None, special: bool) -
 
 def error_json(message: str, error_type: str) -> dict:
     return {"error": message, "error_type": error_type}
-
-
-def pydantic_message(exc) -> str:
-    """A request that does not fit the schema, in the words TGI (axum/serde) uses."""
-    first = exc.errors()[0]
-    where = ".".join(str(x) for x in first.get("loc", ())) or "body"
-    return f"Failed to deserialize the JSON body into the target type: {where}: {first.get('msg')}"

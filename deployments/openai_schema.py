@@ -1,0 +1,132 @@
+"""OpenAI's request schemas (completions, chat completions) and their checks, turned into
+the engine's sampling parameters. Refusals are 400s in OpenAI's words."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from deployments.admission import ApiError
+from deployments.config import Limits
+from engine.sampling_params import SamplingParams
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    ignore_eos: bool = False  # vLLM's extension: exact output lengths for benchmarks
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+def _content_text(content: str | list[dict[str, Any]] | None) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+
+
+def prompts(tok: Any, req: CompletionRequest | ChatRequest, chat: bool) -> list[list[int]]:
+    """The request's prompts as token ids (chat: one, through the model's chat template)."""
+    if chat:
+        messages = [{"role": m.role, "content": _content_text(m.content)} for m in req.messages]
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return [tok(text, add_special_tokens=False).input_ids]
+    prompt = req.prompt
+    if prompt == "" or (isinstance(prompt, list) and any(p == "" for p in prompt)):
+        raise _bad("prompt must not be empty")
+    if isinstance(prompt, str):
+        prompts = [tok(prompt).input_ids]
+    elif prompt and isinstance(prompt[0], int):
+        prompts = [list(prompt)]
+    elif prompt and isinstance(prompt[0], list):
+        prompts = [list(p) for p in prompt]
+    else:
+        prompts = [tok(p).input_ids for p in prompt]
+    if not prompts or any(not p for p in prompts):
+        raise _bad("prompt must not be empty")
+    vocab = len(tok)
+    if any(not 0 <= t < vocab for p in prompts for t in p):
+        raise _bad(f"prompt token ids must be in [0, {vocab})")
+    return prompts
+
+
+def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, chat: bool,
+           num_prompt_tokens: int) -> SamplingParams:
+    """OpenAI's sampling fields, checked against the server's limits."""
+    temperature = 1.0 if req.temperature is None else req.temperature
+    top_p = 1.0 if req.top_p is None else req.top_p
+    checks = [
+        (0 <= temperature <= 2, "temperature must be between 0 and 2"),
+        (0 < top_p <= 1, "top_p must be in (0, 1]"),
+        (1 <= req.n <= max_n, f"n must be between 1 and {max_n}"),
+        (-2 <= req.presence_penalty <= 2, "presence_penalty must be between -2 and 2"),
+        (-2 <= req.frequency_penalty <= 2, "frequency_penalty must be between -2 and 2"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise _bad(message)
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > limits.max_stop_sequences or any(not s for s in stop):
+        raise _bad(f"stop must be up to {limits.max_stop_sequences} non-empty strings")
+    if chat:
+        top_n = (req.top_logprobs or 0) if req.logprobs else 0
+    else:
+        top_n = req.logprobs or 0
+    if not 0 <= top_n <= limits.max_top_n_tokens:
+        raise _bad(f"logprobs must be between 0 and {limits.max_top_n_tokens}")
+    if num_prompt_tokens > limits.max_input_tokens:
+        raise _bad(f"This model's maximum input length is {limits.max_input_tokens} tokens; "
+                         f"the prompt has {num_prompt_tokens}")
+    room = limits.max_total_tokens - num_prompt_tokens
+    max_tokens = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
+    if max_tokens is None:
+        max_tokens = min(room, 1024) if chat else min(room, DEFAULT_MAX_TOKENS)
+    if max_tokens < 1 or max_tokens > room:
+        raise _bad(f"This model's maximum context length is {limits.max_total_tokens} tokens. "
+                         f"However, you requested {num_prompt_tokens + max_tokens} tokens "
+                         f"({num_prompt_tokens} in the prompt, {max_tokens} in the completion).")
+    return SamplingParams(
+        max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        seed=req.seed, stop=tuple(stop), top_n_tokens=top_n, ignore_eos=req.ignore_eos)
+
+
+def _bad(message: str) -> ApiError:
+    return ApiError(400, message, "invalid_request")
+
