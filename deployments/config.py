@@ -53,6 +53,9 @@ class AppArgs(BaseModel):
     max_top_n_tokens: int = Field(5, ge=0)
     max_n: int = Field(8, ge=1, description="largest OpenAI `n`")
     payload_limit: int = Field(2_000_000, ge=1024, description="bytes")
+    grammar_check_timeout_s: float = Field(
+        2.0, gt=0, description="a grammar (JSON schema, regex, tools) that takes longer to "
+        "compile is refused (422/400) before it is queued")
     request_timeout: float | None = Field(None, gt=0, description="seconds per request")
     # Prefer the RAYGEN_API_KEY environment variable: Serve logs builder args at import.
     api_key: str | None = Field(None, repr=False)

@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 from deployments import openai_schema, tgi
 from deployments.admission import Admission
 from deployments.config import DEMO_MODEL, AppArgs, server_limits
+from deployments.grammar import GrammarChecker
 from deployments.metrics import INGRESS, Metrics
 from deployments.openai_api import OpenAIApi
 from deployments.tgi_api import TGIApi
@@ -59,14 +60,16 @@ class Ingress:
             ensure_demo_model(args.model)
         self.batcher = batcher
         tokenizer = AutoTokenizer.from_pretrained(args.model)
-        self.limits = server_limits(args, ModelConfig.from_pretrained(args.model)
-                                    .max_position_embeddings)
+        model_config = ModelConfig.from_pretrained(args.model)
+        self.limits = server_limits(args, model_config.max_position_embeddings)
+        grammars = GrammarChecker(args.model, model_config.vocab_size,
+                                  args.grammar_check_timeout_s)
         self.metrics = Metrics(INGRESS)
         self.admission = Admission(self.metrics, args.max_concurrent_requests,
                                    args.payload_limit, args.resolved_api_key)
         streaming = batcher.options(stream=True)
-        self.tgi = TGIApi(self.admission, streaming, tokenizer, self.limits, args.device)
-        self.openai = OpenAIApi(self.admission, streaming, tokenizer, self.limits,
+        self.tgi = TGIApi(self.admission, grammars, streaming, tokenizer, self.limits, args.device)
+        self.openai = OpenAIApi(self.admission, grammars, streaming, tokenizer, self.limits,
                                 args.max_n, args.model_name)
 
     # -- TGI -------------------------------------------------------------------------

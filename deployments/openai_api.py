@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deployments import openai_schema as schema
+from deployments import openai_tools as tools
 from deployments.admission import Admission
 from deployments.config import Limits
 from deployments.generation import (
@@ -26,6 +27,7 @@ from deployments.generation import (
     new_request_id,
     stream,
 )
+from deployments.grammar import GrammarChecker, InvalidGrammar
 from engine.request import FinishReason
 
 
@@ -47,9 +49,10 @@ def _finish(reason: FinishReason | None) -> str | None:
 
 
 class OpenAIApi:
-    def __init__(self, admission: Admission, batcher, tokenizer: Any, limits: Limits,
-                 max_n: int, model_name: str):
+    def __init__(self, admission: Admission, grammars: GrammarChecker, batcher, tokenizer: Any,
+                 limits: Limits, max_n: int, model_name: str):
         self.admission = admission
+        self.grammars = grammars
         self.batcher = batcher  # a streaming handle
         self.tokenizer = tokenizer
         self.limits = limits
@@ -66,24 +69,43 @@ class OpenAIApi:
             return self.error(exc)
         return JSONResponse(models_json(self.model_name))
 
+    async def _grammar(self, req, chat: bool) -> tuple[str | None, bool]:
+        """(the grammar of `tools` or of `response_format`, checked, or None for free text;
+        whether the output is a tool call)."""
+        constraint = tools.tool_grammar(req) if chat else None
+        tool_calls = constraint is not None
+        if constraint is None:
+            constraint = schema.response_grammar(req)
+        if constraint is None:
+            return None, False
+        if req.ignore_eos:
+            raise schema.bad("ignore_eos cannot be used with response_format or tools")
+        try:
+            await self.grammars.check(constraint)
+        except InvalidGrammar as exc:
+            raise schema.bad(f"Invalid grammar: {exc}") from exc
+        return constraint, tool_calls
+
     async def create(self, request: Request, chat: bool) -> Response:
         """POST /v1/completions (chat=False) or /v1/chat/completions (chat=True)."""
         try:
             req = await self.admission.read(
                 request, schema.ChatRequest if chat else schema.CompletionRequest)
+            constraint, tool_calls = await self._grammar(req, chat)
             runs = []
             for prompt_ids in schema.prompts(self.tokenizer, req, chat):
                 params = schema.params(self.limits, self.max_n, req, chat, len(prompt_ids))
                 for i in range(req.n):
                     seed = params.seed + i if params.seed is not None else random.getrandbits(63)
-                    runs.append(Generation(new_request_id(), prompt_ids,
-                                           dataclasses.replace(params, seed=seed)))
+                    runs.append(Generation(new_request_id(), prompt_ids, dataclasses.replace(
+                        params, seed=seed, grammar=constraint)))
             self.admission.admit()
         except Exception as exc:
             return self.error(exc)
         rid = new_request_id("chatcmpl-" if chat else "cmpl-")
         want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
-        view = _View(self, rid, req.model or self.model_name, chat, want_logprobs)
+        view = _View(self, rid, req.model or self.model_name, chat, want_logprobs,
+                     tool_calls)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(view.events(runs, include_usage),
@@ -106,6 +128,7 @@ class _View:
     model: str
     chat: bool
     want_logprobs: bool
+    tool_calls: bool  # the output is a tool call (openai_tools.py)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
@@ -149,7 +172,13 @@ class _View:
         for index, g in enumerate(runs):
             choice: dict[str, Any] = {"index": index, "finish_reason": _finish(g.finish_reason),
                                       "logprobs": self._logprobs(g, 0, len(g.token_ids))}
-            if self.chat:
+            if self.tool_calls:
+                content, calls = tools.message(g.text)
+                choice["message"] = {"role": "assistant", "content": content}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
+                    choice["finish_reason"] = "tool_calls"
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": g.text}
             else:
                 choice["text"] = g.text
@@ -167,6 +196,7 @@ class _View:
                 await queue.put((index, None, exc))
 
         tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(runs)]
+        calls = [tools.CallStream() for _ in runs]
         try:
             if self.chat:
                 for i in range(len(runs)):
@@ -183,7 +213,12 @@ class _View:
                 end = len(g.token_ids)
                 logprobs = self._logprobs(g, end - len(output.token_ids), end)
                 finish = _finish(output.finish_reason) if output.finished else None
-                if output.text or finish or logprobs:
+                if self.tool_calls:
+                    for delta, why, lp in calls[index].chunks(output, finish, logprobs):
+                        yield _sse(self._envelope([{"index": index, "delta": delta,
+                                                    "finish_reason": why, "logprobs": lp}],
+                                                  chunk=True))
+                elif output.text or finish or logprobs:
                     delta = {"content": output.text} if self.chat else output.text
                     yield _sse(self._chunk(index, delta, finish, logprobs))
                 remaining -= output.finished

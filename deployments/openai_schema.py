@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments import grammar
 from deployments.admission import ApiError
 from deployments.config import Limits
 from engine.sampling_params import SamplingParams
@@ -16,6 +17,22 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Common(BaseModel):
@@ -33,6 +50,7 @@ class _Common(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False  # vLLM's extension: exact output lengths for benchmarks
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_Common):
@@ -46,6 +64,32 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer to one of them
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatRequest(_Common):
@@ -53,6 +97,9 @@ class ChatRequest(_Common):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # each choice makes at most one call
 
 
 def _content_text(content: str | list[dict[str, Any]] | None) -> str:
@@ -64,12 +111,16 @@ def _content_text(content: str | list[dict[str, Any]] | None) -> str:
 def prompts(tok: Any, req: CompletionRequest | ChatRequest, chat: bool) -> list[list[int]]:
     """The request's prompts as token ids (chat: one, through the model's chat template)."""
     if chat:
-        messages = [{"role": m.role, "content": _content_text(m.content)} for m in req.messages]
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        messages = [{"role": m.role, "content": _content_text(m.content),
+                     **m.model_dump(include={"name", "tool_calls", "tool_call_id"},
+                                    exclude_none=True)} for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                       add_generation_prompt=True)
         return [tok(text, add_special_tokens=False).input_ids]
     prompt = req.prompt
     if prompt == "" or (isinstance(prompt, list) and any(p == "" for p in prompt)):
-        raise _bad("prompt must not be empty")
+        raise bad("prompt must not be empty")
     if isinstance(prompt, str):
         prompts = [tok(prompt).input_ids]
     elif prompt and isinstance(prompt[0], int):
@@ -79,10 +130,10 @@ def prompts(tok: Any, req: CompletionRequest | ChatRequest, chat: bool) -> list[
     else:
         prompts = [tok(p).input_ids for p in prompt]
     if not prompts or any(not p for p in prompts):
-        raise _bad("prompt must not be empty")
+        raise bad("prompt must not be empty")
     vocab = len(tok)
     if any(not 0 <= t < vocab for p in prompts for t in p):
-        raise _bad(f"prompt token ids must be in [0, {vocab})")
+        raise bad(f"prompt token ids must be in [0, {vocab})")
     return prompts
 
 
@@ -100,25 +151,25 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
     ]
     for ok, message in checks:
         if not ok:
-            raise _bad(message)
+            raise bad(message)
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > limits.max_stop_sequences or any(not s for s in stop):
-        raise _bad(f"stop must be up to {limits.max_stop_sequences} non-empty strings")
+        raise bad(f"stop must be up to {limits.max_stop_sequences} non-empty strings")
     if chat:
         top_n = (req.top_logprobs or 0) if req.logprobs else 0
     else:
         top_n = req.logprobs or 0
     if not 0 <= top_n <= limits.max_top_n_tokens:
-        raise _bad(f"logprobs must be between 0 and {limits.max_top_n_tokens}")
+        raise bad(f"logprobs must be between 0 and {limits.max_top_n_tokens}")
     if num_prompt_tokens > limits.max_input_tokens:
-        raise _bad(f"This model's maximum input length is {limits.max_input_tokens} tokens; "
+        raise bad(f"This model's maximum input length is {limits.max_input_tokens} tokens; "
                          f"the prompt has {num_prompt_tokens}")
     room = limits.max_total_tokens - num_prompt_tokens
     max_tokens = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
     if max_tokens is None:
         max_tokens = min(room, 1024) if chat else min(room, DEFAULT_MAX_TOKENS)
     if max_tokens < 1 or max_tokens > room:
-        raise _bad(f"This model's maximum context length is {limits.max_total_tokens} tokens. "
+        raise bad(f"This model's maximum context length is {limits.max_total_tokens} tokens. "
                          f"However, you requested {num_prompt_tokens + max_tokens} tokens "
                          f"({num_prompt_tokens} in the prompt, {max_tokens} in the completion).")
     return SamplingParams(
@@ -127,6 +178,23 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
         seed=req.seed, stop=tuple(stop), top_n_tokens=top_n, ignore_eos=req.ignore_eos)
 
 
-def _bad(message: str) -> ApiError:
+def response_grammar(req: CompletionRequest | ChatRequest) -> str | None:
+    """The grammar `response_format` asks for (None: free text)."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        schema: dict[str, Any] = {"type": "object"}
+    elif fmt.json_schema is None or fmt.json_schema.json_schema is None:
+        raise bad("response_format of type json_schema needs json_schema.schema")
+    else:
+        schema = fmt.json_schema.json_schema
+    try:
+        return grammar.json_schema(schema)
+    except grammar.InvalidGrammar as exc:
+        raise bad(f"Invalid response_format schema: {exc}") from exc
+
+
+def bad(message: str) -> ApiError:
     return ApiError(400, message, "invalid_request")
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from deployments import grammar
 from deployments.config import Limits
 from engine.sampling_params import SamplingParams
 
@@ -106,8 +107,9 @@ def validate(request: TGIRequest, tokenizer: Any, limits: Limits, stream: bool) 
     if p.truncate is not None and (p.truncate == 0 or p.truncate > limits.max_input_tokens):
         raise ValidationError("`truncate` must be strictly positive and less than "
                               f"{limits.max_input_tokens}. Given: {p.truncate}")
-    if p.grammar is not None:
-        raise ValidationError("grammar is not supported")
+    if p.watermark:
+        raise ValidationError("`watermark` is not supported")
+    grammar_text = _grammar(p.grammar) if p.grammar is not None else None
     if any(not s for s in p.stop):
         raise ValidationError("`stop` sequences cannot be empty")
 
@@ -142,8 +144,24 @@ def validate(request: TGIRequest, tokenizer: Any, limits: Limits, stream: bool) 
         include_stop_str_in_output=True,  # TGI's generated_text keeps the stop sequence
         top_n_tokens=top_n_tokens,
         prompt_logprobs=p.decoder_input_details,
+        grammar=grammar_text,
     )
     return ValidRequest(ids, params, best_of, sampling)
+
+
+def _grammar(value: Any) -> str:
+    """TGI's `parameters.grammar`: {"type": "json" (alias "json_object"), "value": a JSON
+    schema, as an object or its text} or {"type": "regex", "value": a pattern}."""
+    if not isinstance(value, dict) or "type" not in value or "value" not in value:
+        raise ValidationError("`grammar` must be an object with `type` and `value`")
+    try:
+        if value["type"] in ("json", "json_object"):
+            return grammar.json_schema(value["value"])
+        if value["type"] == "regex":
+            return grammar.regex(value["value"])
+    except grammar.InvalidGrammar as exc:
+        raise ValidationError(f"Invalid grammar: {exc}") from exc
+    raise ValidationError(f"unknown grammar type {value['type']!r}: use \"json\" or \"regex\"")
 
 
 def token_json(token_id: int, text: str, logprob: float | None, special: bool) -> dict:

@@ -25,6 +25,7 @@ from deployments.generation import (
     reseeded,
     stream,
 )
+from deployments.grammar import GrammarChecker, InvalidGrammar
 
 logger = logging.getLogger("ray.serve")
 
@@ -34,9 +35,10 @@ def sse(payload: Any) -> bytes:
 
 
 class TGIApi:
-    def __init__(self, admission: Admission, batcher, tokenizer: Any, limits: Limits,
-                 device: str):
+    def __init__(self, admission: Admission, grammars: GrammarChecker, batcher, tokenizer: Any,
+                 limits: Limits, device: str):
         self.admission = admission
+        self.grammars = grammars
         self.batcher = batcher  # a streaming handle
         self.tokenizer = tokenizer
         self.special_ids = set(tokenizer.all_special_ids)
@@ -58,6 +60,10 @@ class TGIApi:
                 stream_tokens = req.stream
             try:
                 valid = tgi.validate(req, self.tokenizer, self.limits, stream_tokens)
+                if valid.params.grammar is not None:
+                    await self.grammars.check(valid.params.grammar)
+            except InvalidGrammar as exc:
+                raise ApiError(422, f"Invalid grammar: {exc}", "validation") from exc
             except tgi.ValidationError as exc:
                 raise ApiError(422, str(exc), "validation") from exc
             self.admission.admit()

@@ -100,6 +100,12 @@ class LLMEngine:
             state = self._states.get(request_id)
             if state is not None and state.prompt_logprobs is not None:
                 state.prompt_logprobs.extend(logprobs)
+        for request_id, error in output.errors.items():
+            request = self.scheduler.finish(request_id, FinishReason.ERROR)
+            if request is not None and self._states.pop(request_id, None) is not None:
+                results.append(RequestOutput(request_id, finished=True,
+                                             finish_reason=FinishReason.ERROR, error=error,
+                                             num_prompt_tokens=request.num_prompt_tokens))
         rows = {request_id: row for row, request_id in enumerate(output.request_ids)}
         for request in self.scheduler.update(output):
             results.append(self._make_output(request, output, rows[request.request_id]))

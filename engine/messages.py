@@ -54,3 +54,5 @@ class StepOutput:
     top_logprobs: list[list[tuple[int, float]]]
     # Request id -> logprob of each prompt token computed this step that has one.
     prompt_logprobs: dict[str, list[float]] = field(default_factory=dict)
+    # Request id -> why it must end now (its grammar failed); its row is not a token.
+    errors: dict[str, str] = field(default_factory=dict)

@@ -24,6 +24,9 @@ class SamplingParams:
     top_n_tokens: int = 0  # alternatives returned with each token's logprob
     prompt_logprobs: bool = False
     skip_special_tokens: bool = True
+    # An llguidance grammar (JSON or Lark text, as `LLMatcher.grammar_from_*` make them):
+    # each token is drawn from what it allows, and EOS only where it accepts.
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -38,6 +41,7 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (self.top_n_tokens >= 0, "top_n_tokens must be >= 0"),
             (all(self.stop), "stop sequences must not be empty"),
+            (not (self.grammar and self.ignore_eos), "ignore_eos cannot be used with a grammar"),
         ]
         for ok, message in checks:
             if not ok:

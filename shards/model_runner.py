@@ -16,6 +16,7 @@ import torch
 from engine.messages import StepInput, StepOutput
 from engine.sampling_params import SamplingParams
 from shards.attention import AttentionMetadata, PrefillSeq, select_backend
+from shards.grammar import Grammars
 from shards.layers import TPContext
 from shards.loader import load_weights
 from shards.model import CausalLM
@@ -86,6 +87,9 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.seqs: dict[str, _Seq] = {}
+        # Rank 0 samples, so it alone keeps the grammar matchers.
+        self.grammars = Grammars(config.model, self.model_config.vocab_size) \
+            if tp.rank == 0 else None
 
     # -- KV cache ----------------------------------------------------------------------
     @property
@@ -182,15 +186,20 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
         if self.tp.rank != 0:
             return None
-        return _make_output(logits, samples, prompt_rows)
+        return _make_output(logits, samples, prompt_rows, self.grammars)
 
     def _apply_diff(self, step: StepInput) -> None:
         for request_id in step.freed_request_ids:
             self.seqs.pop(request_id, None)
+            if self.grammars is not None:
+                self.grammars.remove(request_id)
         for new in step.new_requests:
             self.seqs[new.request_id] = _Seq(list(new.token_ids), new.num_prompt_tokens,
                                              list(new.block_ids), new.num_computed_tokens,
                                              new.params, new.seed)
+            if self.grammars is not None and new.params.grammar is not None:
+                self.grammars.add(new.request_id, new.params.grammar,
+                                  new.token_ids[new.num_prompt_tokens:])
         for cached in step.cached_requests:
             seq = self.seqs[cached.request_id]
             seq.token_ids.extend(cached.new_token_ids)
@@ -226,11 +235,21 @@ class ModelRunner:
 
 
 def _make_output(logits: torch.Tensor | None, samples: list[tuple[str, int, SampleRow]],
-                 prompt_rows: dict[str, tuple[int, list[int]]]) -> StepOutput:
+                 prompt_rows: dict[str, tuple[int, list[int]]],
+                 grammars: Grammars | None) -> StepOutput:
     if logits is None:
         return StepOutput([], [], [], [])
-    result = sample(logits[[r for _, r, _ in samples]], [info for _, _, info in samples]) \
-        if samples else None
+    errors: dict[str, str] = {}
+    result = None
+    if samples:
+        rows = logits[[r for _, r, _ in samples]]
+        if grammars is not None:
+            errors = grammars.mask(rows, [rid for rid, _, _ in samples])
+        result = sample(rows, [info for _, _, info in samples])
+        if grammars is not None:
+            errors |= grammars.advance([(rid, token) for (rid, _, _), token
+                                        in zip(samples, result.token_ids, strict=True)
+                                        if rid not in errors])
     prompt_logprobs = {}
     if prompt_rows:
         logp = logits.float().log_softmax(dim=-1)
@@ -241,7 +260,7 @@ def _make_output(logits: torch.Tensor | None, samples: list[tuple[str, int, Samp
     if result is None:
         return StepOutput([], [], [], [], prompt_logprobs)
     return StepOutput([rid for rid, _, _ in samples], result.token_ids, result.logprobs,
-                      result.top_logprobs, prompt_logprobs)
+                      result.top_logprobs, prompt_logprobs, errors)
 
 
 def _add_varlen(meta: AttentionMetadata, decodes, prefills, dev) -> None:

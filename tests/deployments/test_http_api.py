@@ -59,6 +59,8 @@ VALIDATION = [
     ({"best_of": 2}, "you must use sampling when `best_of` is > 1"),
     ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` > 1"),
     ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
+    ({"watermark": True}, "`watermark` is not supported"),
+    ({"grammar": {"type": "regex"}}, "`grammar` must be an object with `type` and `value`"),
 ]
 
 

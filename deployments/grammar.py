@@ -1,0 +1,105 @@
+"""Grammars at the edge: what both adapters turn a schema or a regex into, and the check
+that refuses a bad or pathological one before it is queued.
+
+A grammar is llguidance's text (rank 0 builds its matchers from the same text, see
+shards/grammar.py). The check builds a matcher and walks its first few tokens on a thread
+pool (llguidance drops the GIL, so the event loop keeps serving), under a time bound;
+results are cached by grammar text, so a grammar is checked once however often it comes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from shards.grammar import load_tokenizer, parser_limits
+
+CACHE_SIZE = 1024
+CHECK_STEPS = 8
+# Compact JSON: the model cannot pad whitespace, so a bounded schema ends by EOS.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+class InvalidGrammar(ValueError):
+    pass
+
+
+def json_schema(schema: Any) -> str:
+    """The grammar of JSON documents that validate against `schema` (a dict or its text)."""
+    import llguidance
+
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as exc:
+            raise InvalidGrammar(f"the JSON schema is not valid JSON: {exc}") from exc
+    if not isinstance(schema, dict):
+        raise InvalidGrammar("the JSON schema must be an object")
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                             defaults=JSON_OPTIONS)
+    except ValueError as exc:
+        raise InvalidGrammar(str(exc)) from exc
+
+
+def regex(pattern: Any) -> str:
+    import llguidance
+
+    if not isinstance(pattern, str):
+        raise InvalidGrammar("a regex grammar's value must be a string")
+    return llguidance.LLMatcher.grammar_from_regex(pattern)
+
+
+class GrammarChecker:
+    def __init__(self, model_dir: str, vocab_size: int, timeout_s: float):
+        self.timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-check")
+        self._tokenizer = self._pool.submit(load_tokenizer, model_dir, vocab_size)
+        self._verdicts: OrderedDict[str, str] = OrderedDict()  # grammar -> error, "" if fine
+
+    async def check(self, grammar: str) -> None:
+        """Raise InvalidGrammar (with llguidance's reason) unless `grammar` compiles and
+        yields its first mask within the time bound."""
+        verdict = self._verdicts.get(grammar)
+        if verdict is None:
+            if not self._tokenizer.done():  # loading it is not the grammar's time
+                await asyncio.wrap_future(self._tokenizer)
+            future = asyncio.wrap_future(self._pool.submit(self._check, grammar))
+            try:
+                verdict = await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+            except TimeoutError:
+                verdict = f"compiling it took longer than {self.timeout_s:g} s"
+            self._verdicts[grammar] = verdict
+            if len(self._verdicts) > CACHE_SIZE:
+                self._verdicts.popitem(last=False)
+        if verdict:
+            raise InvalidGrammar(verdict)
+
+    def _check(self, grammar: str) -> str:
+        """Build a matcher and walk it a few tokens (the first allowed each time): llguidance
+        builds its lexer lazily, so a pathological regex may pass construction and the
+        first mask, and give up only a token or two later."""
+        import llguidance
+        import numpy as np
+
+        matcher = llguidance.LLMatcher(self._tokenizer.result(), grammar, log_level=0,
+                                       limits=parser_limits())
+        for _ in range(CHECK_STEPS):
+            if matcher.is_error() or matcher.is_stopped():
+                break
+            mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32)
+            if matcher.is_error():
+                break
+            allowed = np.flatnonzero(mask)
+            if allowed.size == 0:
+                break
+            word = int(allowed[0])
+            bit = (int(mask[word]) & -int(mask[word])).bit_length() - 1
+            matcher.consume_token(word * 32 + bit)
+        return _first_line(matcher.get_error()) if matcher.is_error() else ""
+
+
+def _first_line(error: str) -> str:
+    return error.strip().splitlines()[0][:300] if error.strip() else "invalid grammar"
