@@ -63,6 +63,24 @@ def test_tgi_json_grammar_validates_and_ends_by_eos(server):
             == response.generated_text
 
 
+def test_tgi_grammar_composes_with_best_of_and_stop(server):
+    schema = SCHEMAS[0]
+    body = {"inputs": "Kari", "parameters": {
+        "max_new_tokens": 100, "best_of": 2, "do_sample": True, "details": True,
+        "grammar": {"type": "json", "value": schema}}}
+    answer = httpx.post(BASE + "/generate", json=body, timeout=120).json()
+    texts = [answer["generated_text"]] + [s["generated_text"] for s in
+                                          answer["details"]["best_of_sequences"]]
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+    # A stop sequence still ends it early (TGI keeps the stop sequence in the text).
+    client = Client(BASE, timeout=120)
+    grammar = Grammar(type=GrammarType.Json, value=schema)
+    stopped = client.generate("Kari", max_new_tokens=100, grammar=grammar, stop_sequences=[","])
+    assert stopped.details.finish_reason.value == "stop_sequence"
+    assert stopped.generated_text.startswith("{") and stopped.generated_text.endswith(",")
+
+
 def test_tgi_regex_grammar_fullmatches(server):
     client = Client(BASE, timeout=120)
     for pattern in REGEXES:
@@ -78,6 +96,12 @@ def test_tgi_regex_grammar_fullmatches(server):
 
 
 def test_openai_response_format(openai_client):
+    for i, schema in enumerate(SCHEMAS):
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
+        chat = openai_client.chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=200, response_format=fmt, seed=i)
+        jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+        assert chat.choices[0].finish_reason == "stop"
     schema = SCHEMAS[1]
     fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema,
                                                   "strict": True}}

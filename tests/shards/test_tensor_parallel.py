@@ -240,3 +240,29 @@ def test_a_rank_that_dies_during_a_long_step_is_named_within_seconds(
         assert not llm.group.check_health()
     finally:
         llm.group.shutdown()
+
+
+def test_constrained_output_at_tp2_equals_one_shard(llama_dir, tokenizer):
+    # Only rank 0 keeps matchers; the other ranks' steps must not care.
+    import llguidance
+
+    from shards.offline import LLM
+    from tests.shards.test_grammar import REGEXES, SCHEMAS, json_grammar
+
+    grammars = [json_grammar(SCHEMAS[0]), llguidance.LLMatcher.grammar_from_regex(REGEXES[2]),
+                None, json_grammar(SCHEMAS[1])]
+    params = [SamplingParams(max_new_tokens=60, grammar=g) for g in grammars]
+    prompts = make_prompts(2048, [5, 17, 9, 30], seed=61)
+    expected = [o.token_ids for o in LLM(llama_dir, num_blocks=256).generate(prompts, params)]
+    llm = GroupLLM(llama_dir, 2, tokenizer)
+    try:
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            llm.engine.add_request(f"g{i}", prompt, p)
+        got: dict[str, list[int]] = {f"g{i}": [] for i in range(len(prompts))}
+        while llm.engine.has_unfinished_requests():
+            for out in llm.engine.step():
+                assert out.error is None
+                got[out.request_id] += out.token_ids
+    finally:
+        llm.group.shutdown()
+    assert [got[f"g{i}"] for i in range(len(prompts))] == expected
