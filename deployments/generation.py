@@ -41,6 +41,7 @@ class Generation:
     finish_reason: FinishReason | None = None
     prompt_logprobs: list[float | None] | None = None
     queue_time: float = 0.0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served
     start: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -70,6 +71,7 @@ class Generation:
             self.prompt_logprobs = output.prompt_logprobs
         if output.queue_time is not None:
             self.queue_time = output.queue_time
+            self.num_cached_tokens = output.num_cached_tokens
         if output.finished:
             self.finish_reason = output.finish_reason
             self.end = time.monotonic()

@@ -162,10 +162,13 @@ class _View:
                 "text_offset": offsets}
 
     def usage(self, runs: list[Generation]) -> dict:
-        prompt = sum(len(p) for p in {id(g.prompt_token_ids): g.prompt_token_ids for g in runs}.values())
+        firsts = list({id(g.prompt_token_ids): g for g in reversed(runs)}.values())  # per prompt
+        prompt = sum(len(g.prompt_token_ids) for g in firsts)
         completion = sum(len(g.token_ids) for g in runs)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {
+                    "cached_tokens": sum(g.num_cached_tokens for g in firsts)}}
 
     def response(self, runs: list[Generation]) -> dict:
         choices = []
