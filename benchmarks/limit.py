@@ -34,7 +34,7 @@ def _timed(fn, repeats: int) -> float:
 
 
 def measure(model: str, input_len: int, batch_sizes: list[int], repeats: int = 5,
-            decode_context: int | None = None) -> dict:
+            decode_context: int | None = None, torch_compile: bool = False) -> dict:
     """Prefill of `input_len` tokens; decode steps with `decode_context` tokens already in
     each sequence (default input_len; a workload's mean is input_len + output_len / 2)."""
     block_size = 16
@@ -42,8 +42,9 @@ def measure(model: str, input_len: int, batch_sizes: list[int], repeats: int = 5
     longest = max(input_len, decode_context)
     blocks_per_seq = -(-(longest + 2 * repeats + 8) // block_size)
     num_blocks = blocks_per_seq * max(batch_sizes) + 1
-    runner = ModelRunner(ShardConfig(model=model, num_blocks=num_blocks, block_size=block_size))
-    runner.allocate_kv_cache(num_blocks)
+    runner = ModelRunner(ShardConfig(model=model, num_blocks=num_blocks, block_size=block_size,
+                                     torch_compile=torch_compile))
+    runner.warmup(0)  # allocates the KV cache; compiles the forward when asked
     params = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)
 
     def new(i: int, length: int = input_len) -> NewRequestData:
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--decode-context", type=int, default=None,
                         help="tokens in each sequence during the timed decode steps "
                              "(default: input-len + output-len / 2, the workload's mean)")
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="the compiled forward (shards/compiled.py)")
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args(argv)
     if not (Path(args.model) / "config.json").exists():
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> dict:
         write_demo_model(args.model, "small")
     batches = [int(b) for b in args.batch_sizes.split(",")]
     decode_context = args.decode_context or int(args.input_len + args.output_len / 2)
-    timings = measure(args.model, args.input_len, batches, args.repeats, decode_context)
+    timings = measure(args.model, args.input_len, batches, args.repeats, decode_context,
+                      args.torch_compile)
     print(f"prefill of {args.input_len} tokens: {timings['prefill_s'] * 1000:.1f} ms; "
           f"decode steps at {decode_context} tokens of context")
     out = {"timings": timings, "limit_output_tok_s": {}}

@@ -24,6 +24,7 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.request import FinishReason
+from shards.cpu_plan import pin_serving_plane
 from shards.demo_model import ensure_demo_model
 from shards.group import ShardGroup
 from shards.model_config import ModelConfig
@@ -34,6 +35,7 @@ logger = logging.getLogger("ray.serve")
 class Batcher:
     def __init__(self, args: AppArgs):
         self.args = args
+        self.cpus = pin_serving_plane(args.reserved_cpus)
         if args.model == DEMO_MODEL:
             ensure_demo_model(args.model)
         model_config = ModelConfig.from_pretrained(args.model)

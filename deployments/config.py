@@ -40,6 +40,12 @@ class AppArgs(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     attention_backend: Literal["auto", "torch", "flash"] = "auto"
     cpu_threads: int | None = Field(None, ge=1)
+    torch_compile: bool = Field(
+        False, description="CPU, tensor_parallel_size 1: torch.compile the layers' dense "
+        "parts at start-up (shards/compiled.py)")
+    reserved_cpus: int = Field(
+        0, ge=0, description="cores per node for the serving plane (ingress, batcher); the "
+        "shards split the others, each rank pinned to its own slice")
     compiled_graph: bool | None = None
     debug_prefill_delay_s: float = Field(
         0.0, ge=0, description="testing only: shards sleep this long before each step that "
@@ -101,6 +107,7 @@ class AppArgs(BaseModel):
             num_blocks=self.num_blocks, kv_cache_memory=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             attention_backend=self.attention_backend, cpu_threads=self.cpu_threads,
+            reserved_cpus=self.reserved_cpus, torch_compile=self.torch_compile,
             debug_prefill_delay_s=self.debug_prefill_delay_s)
 
     def placement_group_bundles(self) -> list[dict[str, float]]:

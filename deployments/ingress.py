@@ -21,6 +21,7 @@ from deployments.grammar import GrammarChecker
 from deployments.metrics import INGRESS, Metrics
 from deployments.openai_api import OpenAIApi
 from deployments.tgi_api import TGIApi
+from shards.cpu_plan import pin_serving_plane
 from shards.demo_model import ensure_demo_model
 from shards.model_config import ModelConfig
 
@@ -56,6 +57,7 @@ app.openapi = _openapi
 class Ingress:
     def __init__(self, batcher, args: AppArgs):
         self.args = args
+        pin_serving_plane(args.reserved_cpus)
         if args.model == DEMO_MODEL:
             ensure_demo_model(args.model)
         self.batcher = batcher

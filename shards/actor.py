@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from engine.messages import StepInput, StepOutput
+from shards import cpu_plan
 from shards.layers import TPContext
 from shards.model_runner import ModelRunner, ShardConfig, resolve_device
 
@@ -40,11 +41,20 @@ class ShardActor:
         self.rank = rank
         self.world_size = world_size
         self.runner: ModelRunner | None = None
-        if config.cpu_threads is None and resolve_device(config.device).type == "cpu":
-            # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1 when 0): set torch's own
-            # thread count, sharing this process's cores among the ranks on the node.
-            cores = len(os.sched_getaffinity(0))
-            torch.set_num_threads(max(1, cores // world_size))
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def bind_cpus(self, local_index: int, local_count: int) -> list[int]:
+        """Pin this rank to its slice of the node's cores (shards/cpu_plan.py), before any
+        torch thread exists; the model runner then sizes torch's threads to the slice
+        (Ray sets OMP_NUM_THREADS to the actor's num_cpus, 1 when 0: never used as is)."""
+        cores = cpu_plan.shard_cores(cpu_plan.available_cores(), self.config.reserved_cpus,
+                                     local_index, local_count)
+        os.sched_setaffinity(0, cores)
+        return cores
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0's node address and a free port for the process group."""
@@ -99,4 +109,5 @@ class ShardActor:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "device": str(self.runner.device) if self.runner else None,
             "torch_threads": torch.get_num_threads(),
+            "cpu_affinity": sorted(os.sched_getaffinity(0)),
         }

@@ -66,6 +66,7 @@ class ShardGroup:
         self.actors = [self._create_actor(rank, use_gpu, num_cpus_per_shard, name_prefix)
                        for rank in range(tensor_parallel_size)]
         try:
+            self._bind_cpus(init_timeout_s)
             address, port = ray.get(self.actors[0].rendezvous_address.remote(),
                                     timeout=init_timeout_s)
             self.weight_bytes: list[int] = ray.get(
@@ -77,6 +78,13 @@ class ShardGroup:
         self.healthy = True
         self._watchdog = threading.Thread(target=self._watch, name="shard-watchdog", daemon=True)
         self._watchdog.start()
+
+    def _bind_cpus(self, timeout_s: float) -> None:
+        """Give each rank its own slice of its node's cores (shards/cpu_plan.py)."""
+        nodes = ray.get([a.node_id.remote() for a in self.actors], timeout=timeout_s)
+        ray.get([a.bind_cpus.remote(nodes[:rank].count(node), nodes.count(node))
+                 for rank, (a, node) in enumerate(zip(self.actors, nodes, strict=True))],
+                timeout=timeout_s)
 
     def _create_actor(self, rank: int, use_gpu: bool, num_cpus: float, name_prefix: str | None):
         options: dict = {"max_restarts": 0, "max_task_retries": 0}

@@ -37,6 +37,8 @@ class ShardConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
     cpu_threads: int | None = None  # None: every core this process may use
+    reserved_cpus: int = 0  # cores per node left to the serving plane (shards/cpu_plan.py)
+    torch_compile: bool = False  # CPU, one rank: compile the dense parts (shards/compiled.py)
     # Testing only: each rank sleeps this long before a step that admits new requests, so
     # tests get steps of any length without long prompts.
     debug_prefill_delay_s: float = 0.0
@@ -84,6 +86,13 @@ class ModelRunner:
             self.model = CausalLM(self.model_config, tp, self.backend, self.dtype)
         load_weights(self.model, config.model)
         self.model.eval()
+        self.compiled = config.torch_compile and self.device.type == "cpu" and tp.world_size == 1
+        if config.torch_compile and not self.compiled:
+            logger.info("torch_compile: only a CPU shard without tensor parallelism compiles")
+        if self.compiled:
+            from shards.compiled import compile_layers
+
+            compile_layers(self.model)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.seqs: dict[str, _Seq] = {}
@@ -132,13 +141,13 @@ class ModelRunner:
     def _dummy_forward(self, num_tokens: int) -> None:
         num_tokens = min(num_tokens, self.model_config.max_position_embeddings)
         blocks = -(-num_tokens // self.config.block_size)
-        saved = self.kv_caches
+        saved = self.kv_caches, self.num_blocks
         self.allocate_kv_cache(blocks)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device)
         meta = self._metadata([], [(0, num_tokens, 0, list(range(blocks)))], positions, num_tokens)
         self.model(ids, positions, self.kv_caches, meta)
-        self.kv_caches = saved
+        self.kv_caches, self.num_blocks = saved
 
     # -- the step ------------------------------------------------------------------
     def step(self, step: StepInput) -> StepOutput | None:
@@ -230,6 +239,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         num_blocks = self.profile_num_blocks(max_batch_prefill_tokens)
         self.allocate_kv_cache(num_blocks)
+        if self.compiled:
+            from shards.compiled import warm_up
+
+            warm_up(self._dummy_forward)
         logger.info("warmup took %.2fs", time.perf_counter() - t0)
         return num_blocks
 

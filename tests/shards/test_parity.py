@@ -132,3 +132,14 @@ def test_rope_scaling_matches(scaling, llama_dir, tmp_path):
     outs = LLM(str(tmp_path), num_blocks=64).generate(prompts, SamplingParams(max_new_tokens=10))
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.token_ids == hf_greedy(str(tmp_path), prompt, 10)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_compiled_forward_matches_transformers(arch, llama_dir, qwen2_dir, parity_prompts):
+    # torch.compile (inductor, prepacked weights) on the parity prompts, staggered: every
+    # batch size and prefill length goes through the same dynamic-shape graphs.
+    model_dir = llama_dir if arch == "llama" else qwen2_dir
+    llm = LLM(model_dir, num_blocks=256, torch_compile=True)
+    assert llm.runner.compiled
+    got, _ = run_staggered(llm, parity_prompts, PARITY_NEW_TOKENS)
+    assert got == references(model_dir, parity_prompts, PARITY_NEW_TOKENS)

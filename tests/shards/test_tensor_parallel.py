@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -266,3 +267,26 @@ def test_constrained_output_at_tp2_equals_one_shard(llama_dir, tokenizer):
     finally:
         llm.group.shutdown()
     assert [got[f"g{i}"] for i in range(len(prompts))] == expected
+
+
+@pytest.mark.parametrize(("tp", "reserved", "threads", "affinities"), [
+    (1, 0, None, [[0, 1]]),  # today's default: the whole node, two threads
+    (1, 1, None, [[0]]),  # one pinned thread, core 1 left to the serving plane
+    (2, 0, None, [[0], [1]]),  # each rank its own core
+    (1, 0, 1, [[0, 1]]),  # cpu_threads still wins over the slice's size
+])
+def test_core_plan_pins_each_rank_and_sizes_its_threads(llama_dir, tp, reserved, threads,
+                                                        affinities):
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) != 2:
+        pytest.skip("written for this project's 2-core machines")
+    affinities = [[cores[i] for i in a] for a in affinities]
+    config = ShardConfig(model=llama_dir, num_blocks=64, reserved_cpus=reserved,
+                         cpu_threads=threads)
+    group = ShardGroup(config, tp, num_cpus_per_shard=0.5)
+    try:
+        placements = ray.get([a.placement.remote() for a in group.actors])
+    finally:
+        group.shutdown()
+    assert [p["cpu_affinity"] for p in placements] == affinities
+    assert [p["torch_threads"] for p in placements] == [threads or len(a) for a in affinities]

@@ -1,0 +1,42 @@
+"""Which cores each process of a node uses: the core plan.
+
+The shards' torch threads spin while they wait for work, so any other process that wakes
+on one of their cores (Ray's daemons, the proxy, the ingress, the batcher) preempts a
+thread the whole forward then waits for. With `reserved_cpus` = k, the last k cores of
+the node are the serving plane's; the shards split the others, each rank on the node its
+own slice (threads = the slice's size unless `cpu_threads` says otherwise). With k = 0
+the shards still get disjoint slices, and nothing else is pinned."""
+
+from __future__ import annotations
+
+import os
+
+
+def available_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def split(cores: list[int], reserved: int) -> tuple[list[int], list[int]]:
+    """(cores for the shards, cores for the serving plane); the shards keep at least one."""
+    reserved = min(reserved, len(cores) - 1)
+    if reserved <= 0:
+        return list(cores), []
+    return cores[:-reserved], cores[-reserved:]
+
+
+def shard_cores(cores: list[int], reserved: int, local_index: int, local_count: int) -> list[int]:
+    """The slice of the shards' cores for the `local_index`-th of `local_count` ranks on
+    this node (ranks share cores only when there are more ranks than cores)."""
+    shards, _ = split(cores, reserved)
+    per = max(1, len(shards) // max(1, local_count))
+    start = (local_index * per) % len(shards)
+    return shards[start : start + per]
+
+
+def pin_serving_plane(reserved: int) -> list[int]:
+    """Pin this process (an ingress or batcher replica) to the reserved cores; [] when
+    nothing is reserved (it then runs anywhere)."""
+    _, plane = split(available_cores(), reserved)
+    if plane:
+        os.sched_setaffinity(0, plane)
+    return plane
