@@ -182,10 +182,15 @@ def test_shard_death_fails_streams_fast_then_a_fresh_replica_serves(apps):
     for t in threads:
         t.join(30)
     assert time.monotonic() - killed < 10 + 1  # joins return as the streams end
+    failed = 0
     for kind, status, lines in results:
         assert kind == "ok" and status == 200
         last = events(lines)[-1]
+        if (last.get("details") or {}).get("finish_reason") == "eos_token":
+            continue  # it ended before the kill (a short greedy answer): nothing was lost
         assert last.get("error_type") == "generation" and "shard rank" in last["error"], last
+        failed += 1
+    assert failed >= len(results) // 2  # most were mid-stream: they end with the error
     # Until Serve replaces the replica, its health check fails: /health says so.
     deadline, health = time.monotonic() + 5, httpx.get(BASE + "/health", timeout=30)
     while health.status_code != 503 and time.monotonic() < deadline:
