@@ -150,6 +150,23 @@ def test_openai_errors_use_openai_shape(app):
         assert set(r.json()["error"]) >= {"message", "type"}
 
 
+def test_openai_usage_reports_cached_prompt_tokens(app):
+    from tests.reference import make_prompts
+
+    prompt = make_prompts(2048, [50], seed=77)[0]  # unseen so far: nothing cached
+    body = {"model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    first = post("/v1/completions", body).json()["usage"]
+    assert first["prompt_tokens"] == 50
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    second = post("/v1/completions", body).json()["usage"]
+    cached = second["prompt_tokens_details"]["cached_tokens"]
+    assert 0 < cached < 50 and cached % 16 == 0  # whole KV blocks
+    lines = post("/v1/completions", {**body, "stream": True,
+                                     "stream_options": {"include_usage": True}}).text.splitlines()
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+
+
 def test_api_key_guards_every_route_but_health(app):
     for method, path, body in (("POST", "/locked/generate", {"inputs": "hi"}),
                                ("GET", "/locked/info", None), ("GET", "/locked/metrics", None),
@@ -289,19 +306,3 @@ def test_dead_shard_gives_424_then_unhealthy(app):
     assert health.status_code == 503
     assert json.loads(health.text)["error_type"] == "healthcheck"
 
-
-def test_openai_usage_reports_cached_prompt_tokens(app):
-    from tests.reference import make_prompts
-
-    prompt = make_prompts(2048, [50], seed=77)[0]  # unseen so far: nothing cached
-    body = {"model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0}
-    first = post("/v1/completions", body).json()["usage"]
-    assert first["prompt_tokens"] == 50
-    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
-    second = post("/v1/completions", body).json()["usage"]
-    cached = second["prompt_tokens_details"]["cached_tokens"]
-    assert 0 < cached < 50 and cached % 16 == 0  # whole KV blocks
-    lines = post("/v1/completions", {**body, "stream": True,
-                                     "stream_options": {"include_usage": True}}).text.splitlines()
-    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
-    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
