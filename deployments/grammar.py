@@ -61,7 +61,7 @@ class GrammarChecker:
 
     async def check(self, grammar: str) -> None:
         """Raise InvalidGrammar (with llguidance's reason) unless `grammar` compiles and
-        yields its first mask within the time bound."""
+        walks its first tokens within the time bound."""
         verdict = self._verdicts.get(grammar)
         if verdict is None:
             if not self._tokenizer.done():  # loading it is not the grammar's time
@@ -69,13 +69,19 @@ class GrammarChecker:
             future = asyncio.wrap_future(self._pool.submit(self._check, grammar))
             try:
                 verdict = await asyncio.wait_for(asyncio.shield(future), self.timeout_s)
+                self._remember(grammar, verdict)
             except TimeoutError:
+                # Refused now; the verdict is kept once the check ends, so a grammar that
+                # only waited behind others is not refused for good.
+                future.add_done_callback(lambda f: self._remember(grammar, f.result()))
                 verdict = f"compiling it took longer than {self.timeout_s:g} s"
-            self._verdicts[grammar] = verdict
-            if len(self._verdicts) > CACHE_SIZE:
-                self._verdicts.popitem(last=False)
         if verdict:
             raise InvalidGrammar(verdict)
+
+    def _remember(self, grammar: str, verdict: str) -> None:
+        self._verdicts[grammar] = verdict
+        if len(self._verdicts) > CACHE_SIZE:
+            self._verdicts.popitem(last=False)
 
     def _check(self, grammar: str) -> str:
         """Build a matcher and walk it a few tokens (the first allowed each time): llguidance
