@@ -29,8 +29,9 @@ class GrammarError(Exception):
 class Grammars:
     def __init__(self, model_dir: str, vocab_size: int):
         self.vocab_size = vocab_size
+        self.model_dir = model_dir
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
-        self._tokenizer = self._pool.submit(load_tokenizer, model_dir, vocab_size)
+        self._tokenizer: Future | None = None  # loaded with the first grammar, on the pool
         self._templates: OrderedDict[str, Future] = OrderedDict()
         self._lock = Lock()
         self._matchers: dict[str, Future] = {}
@@ -89,6 +90,9 @@ class Grammars:
 
     def _template(self, grammar: str) -> Future:
         with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._pool.submit(load_tokenizer, self.model_dir,
+                                                    self.vocab_size)
             template = self._templates.get(grammar)
             if template is None:
                 template = self._pool.submit(_compile, self._tokenizer, grammar)
