@@ -36,7 +36,7 @@ def test_transformers_loads_it(llama_dir, qwen2_dir):
         model = AutoModelForCausalLM.from_pretrained(model_dir)
         assert type(model).__name__ == cls
         tok = AutoTokenizer.from_pretrained(model_dir)
-        assert type(tok).__name__ == "PreTrainedTokenizerFast"
+        assert tok.is_fast  # PreTrainedTokenizerFast (transformers 4), TokenizersBackend (5)
         assert json.loads((Path(model_dir) / "tokenizer_config.json").read_text())[
             "tokenizer_class"] == "PreTrainedTokenizerFast"
         ids = tok("Hello world").input_ids

@@ -137,9 +137,10 @@ def test_rope_scaling_matches(scaling, llama_dir, tmp_path):
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_compiled_forward_matches_transformers(arch, llama_dir, qwen2_dir, parity_prompts):
     # torch.compile (inductor, prepacked weights) on the parity prompts, staggered: every
-    # batch size and prefill length goes through the same dynamic-shape graphs.
+    # batch size and prefill length goes through the same dynamic-shape graphs. The compiled
+    # forward is CPU-only, so the test asks for the CPU also where CUDA is present.
     model_dir = llama_dir if arch == "llama" else qwen2_dir
-    llm = LLM(model_dir, num_blocks=256, torch_compile=True)
+    llm = LLM(model_dir, num_blocks=256, torch_compile=True, device="cpu")
     assert llm.runner.compiled
     got, _ = run_staggered(llm, parity_prompts, PARITY_NEW_TOKENS)
     assert got == references(model_dir, parity_prompts, PARITY_NEW_TOKENS)
