@@ -19,7 +19,9 @@ from transformers import AutoTokenizer
 
 from deployments.config import DEMO_MODEL, AppArgs, token_limits
 from deployments.metrics import BATCHER, Metrics
+from deployments.metrics_hub import Pusher, collect, replica_source
 from deployments.protocol import GenerateInput
+from deployments.routing import pack_hashes
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -33,7 +35,7 @@ logger = logging.getLogger("ray.serve")
 
 
 class Batcher:
-    def __init__(self, args: AppArgs):
+    def __init__(self, args: AppArgs, metrics_hub=None):
         self.args = args
         self.cpus = pin_serving_plane(args.reserved_cpus)
         if args.model == DEMO_MODEL:
@@ -57,6 +59,9 @@ class Batcher:
         self._counted = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "aborted": 0}
         self.engine_loop = AsyncEngine(self.engine, self.group.step_async, self._record_step)
         self._record_gauges()
+        self.pusher = None
+        if metrics_hub is not None:
+            self.pusher = Pusher(metrics_hub, replica_source("Batcher"), self._families)
         logger.info("batcher ready: tp=%d, %d KV blocks (max_batch_total_tokens=%d)",
                     args.tensor_parallel_size, num_blocks, self.engine.scheduler.max_batch_total_tokens)
 
@@ -114,7 +119,44 @@ class Batcher:
         self._record_gauges()  # an idle replica's gauges still tell the truth
         return self.metrics.text()
 
+    def _families(self):
+        self._record_gauges()
+        return collect(self.metrics.registry)
+
+    # -- what Serve's router and autoscaler read (deployments/router.py, autoscaling.py) --
+    def load(self) -> dict:
+        """This replica's load: requests, prompt tokens not yet prefilled, the oldest
+        wait, KV blocks."""
+        scheduler = self.engine.scheduler
+        bm = scheduler.block_manager
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in scheduler.waiting)
+        queued += sum(max(0, r.num_tokens - r.num_computed_tokens - 1) for r in scheduler.running)
+        now = time.monotonic()
+        oldest = min((r.arrival_time for r in scheduler.waiting), default=now)
+        return {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
+                "queued_tokens": queued, "queue_wait_s": now - oldest,
+                "free_blocks": bm.num_free_blocks, "total_blocks": bm.num_blocks,
+                "preempted_waiting": sum(r.num_preemptions > 0 for r in scheduler.waiting)}
+
+    async def record_routing_stats(self) -> dict:
+        """Serve's routing-stats hook, polled every request_routing_stats_period_s: the
+        block names this replica's prefix cache holds (packed) and its load. Async so it
+        runs on the engine loop's thread, between steps' bookkeeping."""
+        bm = self.engine.scheduler.block_manager
+        return {"v": 1, "time": time.time(), "block_size": bm.block_size,
+                "blocks": pack_hashes(bm.cached_hashes()), **self.load()}
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics hook, read by deployments/autoscaling.py."""
+        load = self.load()
+        return {"queued_tokens": float(load["queued_tokens"]),
+                "queue_wait_s": float(load["queue_wait_s"]),
+                "kv_usage": 1.0 - load["free_blocks"] / load["total_blocks"],
+                "preempted_waiting": float(load["preempted_waiting"])}
+
     async def check_health(self) -> None:
+        if self.pusher is not None:
+            self.pusher.ensure_started()
         if not self.group.healthy:
             raise RuntimeError(f"shards unhealthy: {self.group.error}")
         if self.engine_loop.last_error and not self.group.healthy:
@@ -146,6 +188,9 @@ class Batcher:
         }
 
     def __del__(self):
+        pusher = getattr(self, "pusher", None)
+        if pusher is not None:
+            pusher.stop()
         group = getattr(self, "group", None)
         if group is not None:
             group.shutdown()

@@ -19,7 +19,9 @@ from deployments.admission import Admission
 from deployments.config import DEMO_MODEL, AppArgs, server_limits
 from deployments.grammar import GrammarChecker
 from deployments.metrics import INGRESS, Metrics
+from deployments.metrics_hub import Pusher, collect, render, replica_source
 from deployments.openai_api import OpenAIApi
+from deployments.routing import router_families
 from deployments.tgi_api import TGIApi
 from shards.cpu_plan import pin_serving_plane
 from shards.demo_model import ensure_demo_model
@@ -55,7 +57,7 @@ app.openapi = _openapi
 @serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
 @serve.ingress(app)
 class Ingress:
-    def __init__(self, batcher, args: AppArgs):
+    def __init__(self, batcher, args: AppArgs, metrics_hub=None):
         self.args = args
         pin_serving_plane(args.reserved_cpus)
         if args.model == DEMO_MODEL:
@@ -73,6 +75,19 @@ class Ingress:
         self.tgi = TGIApi(self.admission, grammars, streaming, tokenizer, self.limits, args.device)
         self.openai = OpenAIApi(self.admission, grammars, streaming, tokenizer, self.limits,
                                 args.max_n, args.model_name)
+        self.hub, self.pusher = metrics_hub, None
+        if metrics_hub is not None:
+            self.source = replica_source("Ingress")
+            self.pusher = Pusher(metrics_hub, self.source, self._families)
+
+    def _families(self):
+        return collect(self.metrics.registry) + router_families()
+
+    async def check_health(self) -> None:
+        """Serve's periodic check: the ingress has nothing that can fail alone; it starts
+        the metrics pusher on the replica's loop."""
+        if self.pusher is not None:
+            self.pusher.ensure_started()
 
     # -- TGI -------------------------------------------------------------------------
     @app.post("/generate")
@@ -126,13 +141,16 @@ class Ingress:
     async def metrics(self, request: Request) -> Response:
         try:
             self.admission.check_auth(request)
-            batcher_text = await asyncio.wait_for(self.batcher.metrics_text.remote(), 10)
+            if self.hub is None:  # built without the hub: the batcher replica reached
+                text = self.metrics.text() + await asyncio.wait_for(
+                    self.batcher.metrics_text.remote(), 10)
+            else:  # every replica (metrics_hub.py); this one's own numbers fresh
+                reports = await asyncio.wait_for(self.hub.snapshot.remote(), 10)
+                reports[self.source] = self._families()
+                text = render(reports)
         except Exception as exc:
             return self.tgi.error(exc)
-        # One batcher replica's numbers (the one this call reached); Ray's Prometheus
-        # export has every replica's, tagged with application, deployment and replica.
-        return Response(self.metrics.text() + batcher_text,
-                        media_type="text/plain; version=0.0.4")
+        return Response(text, media_type="text/plain; version=0.0.4")
 
     # -- OpenAI ----------------------------------------------------------------------
     @app.get("/v1/models")

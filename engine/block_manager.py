@@ -19,6 +19,19 @@ from dataclasses import dataclass
 BlockKey = tuple[int | None, tuple[int, ...]]
 
 
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The names (hashes of their keys) that the blocks of a prompt's cacheable prefix
+    would have: the chain `get_computed_blocks` walks, computable by anyone who has the
+    token ids (the request router does, in the ingress). Python hashes tuples of ints the
+    same way in every process, so replicas and routers agree."""
+    hashes: list[int] = []
+    parent: int | None = None
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
+        hashes.append(parent)
+    return hashes
+
+
 @dataclass(slots=True)
 class Block:
     block_id: int
@@ -59,6 +72,10 @@ class BlockManager:
     @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
+
+    def cached_hashes(self) -> list[int]:
+        """Names of the blocks a new request could reuse now (in use or free but kept)."""
+        return [hash(key) for key in self.cached_block_ids]
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])

@@ -28,23 +28,27 @@ def port_closed() -> bool:
 
 @contextlib.contextmanager
 def serve_run(args: list[str], log: Path, env: dict[str, str] | None = None,
-              start_timeout: float = 240) -> Iterator[subprocess.Popen]:
-    """`serve run deployments.app:build_app ARGS` until healthy; stopped with Ctrl-C after."""
+              start_timeout: float = 240, target: str = "deployments.app:build_app",
+              health_paths: tuple[str, ...] = ("/health",)) -> Iterator[subprocess.Popen]:
+    """`serve run TARGET ARGS` (the app, or a config file) until every health path answers
+    200; stopped with Ctrl-C after."""
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
            "RAY_ENABLE_AUTO_CONNECT": "0", **(env or {})}
     serve_bin = Path(sys.executable).with_name("serve")
     with open(log, "wb") as out:
-        proc = subprocess.Popen([str(serve_bin), "run", "deployments.app:build_app", *args],
+        proc = subprocess.Popen([str(serve_bin), "run", target, *args],
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
         deadline = time.monotonic() + start_timeout
-        while True:
+        pending = list(health_paths)
+        while pending:
             if proc.poll() is not None:
                 pytest.fail(f"serve run exited early:\n{log.read_text()[-3000:]}")
             try:
-                if httpx.get(BASE + "/health", timeout=5).status_code == 200:
-                    break
+                if httpx.get(BASE + pending[0], timeout=5).status_code == 200:
+                    pending.pop(0)
+                    continue
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:

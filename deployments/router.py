@@ -1,0 +1,102 @@
+"""The batcher's request router (Serve 2.60's RequestRouter API): each generation goes to
+the replica holding the longest prefix of its prompt; the policy is deployments/routing.py.
+
+Serve pickles this module by value into every process that holds a handle to the batcher,
+so it keeps no state of its own at module level: everything lives in routing.py.
+
+Configured per deployment with `request_router_config` (`serve run` and KubeRay alike):
+    request_router_class: deployments.router:PrefixCacheRouter
+    request_router_kwargs: {imbalance_margin: 8}
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import (
+    LocalityMixin,
+    MultiplexMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
+
+from deployments import routing
+from deployments.protocol import GenerateInput
+
+logger = logging.getLogger("ray.serve")
+
+ROUTER_PATH = "deployments.router:PrefixCacheRouter"
+
+
+class PrefixCacheRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """No FIFOMixin: a decision is made for one request's prompt, so it must go to that
+    request, not to whichever request has waited longest."""
+
+    def initialize_state(self, **kwargs):
+        self.index = routing.PrefixIndex(**kwargs)
+        self.decisions = {"prefix": 0, "balance": 0, "fallback": 0}
+        try:
+            from ray.util import metrics
+
+            self._counter = metrics.Counter("raygen_router_decisions", routing.DECISIONS_HELP,
+                                            tag_keys=("decision",))
+        except Exception:  # outside a Ray worker
+            self._counter = None
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None
+                              ) -> list[list[RunningReplica]]:
+        fallback = await PowerOfTwoChoicesRequestRouter.choose_replicas(
+            self, candidate_replicas, pending_request)
+        request = _generate_input(pending_request)
+        if request is None or len(candidate_replicas) < 2:
+            return fallback
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        try:
+            decision, best_id = self.index.decide(
+                request.prompt_token_ids, {i: r.routing_stats for i, r in by_id.items()},
+                {i: self.replica_queue_len_cache.get(i) for i in by_id})
+        except Exception:  # a malformed report must never stop routing
+            logger.exception("prefix routing failed; using Serve's choice")
+            decision, best_id = "fallback", None
+        self._count(decision)
+        if best_id is None:
+            return fallback
+        self._remember(best_id, request)
+        # The holder first; if its queue is full, Serve's pair.
+        return [[by_id[best_id]]] + [[r for r in rank if r.replica_id != best_id]
+                                     for rank in fallback]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result) -> None:
+        """Serve's callback once a replica accepted a request (where Serve runs the
+        rejection protocol): remember where the prefix went, whatever chose it."""
+        request = _generate_input(pending_request)
+        if request is not None:
+            self._remember(replica_id, request)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID):
+        super().on_replica_actor_died(replica_id)
+        self.index.forget(replica_id)
+
+    def _remember(self, replica_id: ReplicaID, request: GenerateInput) -> None:
+        replica = self._replicas.get(replica_id)
+        stats = self.index.fresh(replica.routing_stats) if replica is not None else None
+        if stats is not None:
+            self.index.remember(replica_id, request.prompt_token_ids, stats["block_size"])
+
+    def _count(self, decision: str) -> None:
+        self.decisions[decision] += 1
+        routing.DECISIONS.labels(decision=decision).inc()
+        if self._counter is not None:
+            self._counter.inc(tags={"decision": decision})
+
+
+def _generate_input(pending_request: PendingRequest | None) -> GenerateInput | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    arg = pending_request.args[0]
+    return arg if isinstance(arg, GenerateInput) else None

@@ -1,0 +1,136 @@
+"""Routing generations to the batcher replica that already holds their prompt's prefix.
+
+Serve's default router picks the less busy of two random replicas, so a conversation's
+next turn lands on a replica without its cached prefix about half the time with two
+replicas and pays the prefill again. Here each batcher replica reports, through Serve's
+`record_routing_stats` hook, the names of the KV blocks it holds (the block manager's
+hash chain, truncated to 32 bits) and its load; the router (deployments/router.py, run
+by Serve in the ingress process beside the handle) computes the same chain from the
+request's token ids and sends the request to the replica holding the longest prefix,
+unless that replica is busier than the least busy one by more than `imbalance_margin`
+requests, or lacks the free KV blocks for the rest of the prompt. Without fresh stats it
+is Serve's power-of-two choice. A wrong guess costs a prefill, never a wrong answer: the
+replica looks the prefix up in its own cache.
+
+Between two stats reports (`request_routing_stats_period_s`) the index also remembers
+where the router sent each prefix, for `recent_ttl_s`, so a conversation's next turn
+follows the first even before the replica has reported the blocks."""
+
+from __future__ import annotations
+
+import array
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import prometheus_client as prom
+
+from deployments.metrics_hub import collect
+from engine.block_manager import prefix_block_hashes
+
+STATS_VERSION = 1
+_MASK = 0xFFFFFFFF
+_MAX_RECENT = 200_000  # remembered block names per replica
+
+DECISIONS_HELP = ("Batcher routing decisions: prefix (to the longest cached prefix), balance "
+                  "(its holder too busy or full), fallback (no prefix known, no stats)")
+# The routers of this process (an ingress replica's handles), for GET /metrics.
+_REGISTRY = prom.CollectorRegistry()
+DECISIONS = prom.Counter("raygen_router_decisions", DECISIONS_HELP, ("decision",),
+                         registry=_REGISTRY)
+
+
+def router_families():
+    return collect(_REGISTRY)
+
+
+def pack_hashes(hashes) -> bytes:
+    """32-bit truncated block names, sorted and unique: 4 bytes a block. A collision
+    (about n / 2**32 a lookup) only misroutes."""
+    return array.array("I", sorted({h & _MASK for h in hashes})).tobytes()
+
+
+def unpack_hashes(data: bytes) -> frozenset[int]:
+    values = array.array("I")
+    values.frombytes(data)
+    return frozenset(values)
+
+
+def chain(token_ids: list[int], block_size: int) -> list[int]:
+    return [h & _MASK for h in prefix_block_hashes(token_ids, block_size)]
+
+
+@dataclass(slots=True)
+class _Holding:
+    stamp: float  # the report's time, on the replica's clock
+    blocks: frozenset[int]
+
+
+class PrefixIndex:
+    """What each replica holds (its reports, plus where this router sent prefixes since)
+    and the routing decision. Keyed by any hashable replica id; no Serve types, so the
+    unit tests drive it directly."""
+
+    def __init__(self, imbalance_margin: int = 8, stats_max_age_s: float = 10.0,
+                 recent_ttl_s: float = 30.0, min_match_blocks: int = 1):
+        self.imbalance_margin = imbalance_margin
+        self.stats_max_age_s = stats_max_age_s
+        self.recent_ttl_s = recent_ttl_s
+        self.min_match_blocks = min_match_blocks
+        self._holdings: dict = {}
+        self._recent: dict[object, OrderedDict[int, float]] = {}
+
+    def fresh(self, stats: dict | None) -> dict | None:
+        """The report if it is one of ours and recent enough, else None."""
+        if (not stats or stats.get("v") != STATS_VERSION
+                or time.time() - stats.get("time", 0.0) > self.stats_max_age_s):
+            return None
+        return stats
+
+    def matched_blocks(self, replica, stats: dict, names: list[int]) -> int:
+        held = self._holdings.get(replica)
+        if held is None or held.stamp != stats["time"]:
+            held = self._holdings[replica] = _Holding(stats["time"], unpack_hashes(stats["blocks"]))
+        recent = self._recent.get(replica, {})
+        now = time.monotonic()
+        n = 0
+        for h in names:
+            if h not in held.blocks and now - recent.get(h, -1e18) > self.recent_ttl_s:
+                break
+            n += 1
+        return n
+
+    def decide(self, token_ids: list[int], stats: dict, loads: dict) -> tuple[str, object]:
+        """stats: replica -> its report (None if missing); loads: replica -> requests it
+        is serving (None: use its report). Returns ('prefix', replica) or ('balance' |
+        'fallback', None), the latter two meaning Serve's own choice."""
+        fresh = {r: s for r, s in ((r, self.fresh(s)) for r, s in stats.items()) if s}
+        if not fresh or len(token_ids) < 2:
+            return "fallback", None
+        block_size = next(iter(fresh.values()))["block_size"]
+        names = chain(token_ids, block_size)
+        matched = {r: self.matched_blocks(r, s, names) for r, s in fresh.items()}
+        load = {r: loads.get(r) if loads.get(r) is not None else s["running"] + s["waiting"]
+                for r, s in fresh.items()}
+        best = max(fresh, key=lambda r: (matched[r], -load[r]))
+        if matched[best] < self.min_match_blocks:
+            return "fallback", None
+        uncached_blocks = -(-len(token_ids) // block_size) - matched[best]
+        if (load[best] - min(load.values()) > self.imbalance_margin
+                or fresh[best]["free_blocks"] < uncached_blocks):
+            return "balance", None
+        return "prefix", best
+
+    def remember(self, replica, token_ids: list[int], block_size: int) -> None:
+        recent = self._recent.setdefault(replica, OrderedDict())
+        now = time.monotonic()
+        for h in chain(token_ids, block_size):
+            recent[h] = now
+            recent.move_to_end(h)
+        while recent and (now - next(iter(recent.values())) > self.recent_ttl_s
+                          or len(recent) > _MAX_RECENT):
+            recent.popitem(last=False)
+
+    def forget(self, replica) -> None:
+        self._holdings.pop(replica, None)
+        self._recent.pop(replica, None)

@@ -1,0 +1,158 @@
+"""The cluster-level policies without a cluster: the prefix router's decision, the LLM-load
+autoscaling policy beside Serve's default, and the merged /metrics text."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.parser import text_string_to_metric_families
+from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
+from ray.serve.config import AutoscalingConfig
+
+from deployments.autoscaling import LLMLoadPolicy
+from deployments.metrics_hub import collect, render
+from deployments.routing import PrefixIndex, pack_hashes
+from engine.block_manager import BlockManager, prefix_block_hashes
+from tests.reference import make_prompts
+
+BS = 16
+
+
+def replica_holding(prompts: list[list[int]], free_blocks: int = 1000, running: int = 0,
+                    waiting: int = 0, age_s: float = 0.0) -> dict:
+    """A replica's routing stats after it served `prompts`, from a real block manager."""
+    bm = BlockManager(num_blocks=4096, block_size=BS)
+    for i, prompt in enumerate(prompts):
+        bm.allocate(f"r{i}", len(prompt))
+        bm.cache_full_blocks(f"r{i}", prompt, len(prompt))
+        bm.free(f"r{i}")
+    return {"v": 1, "time": time.time() - age_s, "block_size": BS,
+            "blocks": pack_hashes(bm.cached_hashes()), "running": running, "waiting": waiting,
+            "free_blocks": free_blocks}
+
+
+@pytest.fixture()
+def prompts():
+    system = make_prompts(2048, [400], seed=1)[0]
+    return {"system": system, "turn": system + make_prompts(2048, [40], seed=2)[0],
+            "other": make_prompts(2048, [440], seed=3)[0]}
+
+
+def test_router_chain_is_the_block_managers(prompts):
+    bm = BlockManager(num_blocks=64, block_size=BS)
+    bm.allocate("a", len(prompts["turn"]))
+    bm.cache_full_blocks("a", prompts["turn"], len(prompts["turn"]))
+    chain = prefix_block_hashes(prompts["turn"], BS)
+    assert len(chain) == (len(prompts["turn"]) - 1) // BS
+    assert set(chain) <= set(bm.cached_hashes())
+    hits, _ = bm.get_computed_blocks(prompts["turn"])
+    assert len(hits) == len(chain)
+
+
+def test_routes_to_the_replica_holding_the_longest_prefix(prompts):
+    index = PrefixIndex()
+    stats = {"a": replica_holding([prompts["other"]]), "b": replica_holding([prompts["system"]]),
+             "c": replica_holding([])}
+    assert index.decide(prompts["turn"], stats, {}) == ("prefix", "b")
+    # Equal prefixes: the less busy holder.
+    stats["a"] = replica_holding([prompts["system"]], running=1)
+    assert index.decide(prompts["turn"], stats, {"a": 3, "b": 5}) == ("prefix", "a")
+
+
+def test_a_far_busier_holder_does_not_get_the_request(prompts):
+    index = PrefixIndex(imbalance_margin=8)
+    stats = {"a": replica_holding([prompts["system"]]), "b": replica_holding([])}
+    assert index.decide(prompts["turn"], stats, {"a": 8, "b": 0}) == ("prefix", "a")
+    assert index.decide(prompts["turn"], stats, {"a": 9, "b": 0}) == ("balance", None)
+    # Without the router's own counts, the replicas' reports decide.
+    stats["a"] = replica_holding([prompts["system"]], running=20, waiting=4)
+    assert index.decide(prompts["turn"], stats, {"a": None, "b": None}) == ("balance", None)
+    # A holder without the KV blocks for the rest of the prompt is skipped too.
+    stats["a"] = replica_holding([prompts["system"]], free_blocks=1)
+    assert index.decide(prompts["turn"], stats, {}) == ("balance", None)
+
+
+def test_without_fresh_stats_it_falls_back(prompts):
+    index = PrefixIndex(stats_max_age_s=10)
+    held = replica_holding([prompts["system"]])
+    assert index.decide(prompts["turn"], {"a": None, "b": None}, {}) == ("fallback", None)
+    assert index.decide(prompts["turn"], {"a": {}, "b": {"v": 0}}, {}) == ("fallback", None)
+    old = replica_holding([prompts["system"]], age_s=11)
+    assert index.decide(prompts["turn"], {"a": old, "b": None}, {}) == ("fallback", None)
+    # No replica holds any of it: Serve's choice.
+    assert index.decide(prompts["other"], {"a": held, "b": replica_holding([])}, {}) == (
+        "fallback", None)
+
+
+def test_remembers_where_it_sent_a_prefix_until_reports_catch_up(prompts):
+    index = PrefixIndex(recent_ttl_s=0.3)
+    stats = {"a": replica_holding([]), "b": replica_holding([])}
+    assert index.decide(prompts["turn"], stats, {})[0] == "fallback"
+    index.remember("b", prompts["system"], BS)
+    assert index.decide(prompts["turn"], stats, {}) == ("prefix", "b")
+    time.sleep(0.4)
+    assert index.decide(prompts["turn"], stats, {})[0] == "fallback"
+
+
+def policy_context(queued_tokens: list[float], ongoing: float, kv_usage=None, wait=None,
+                   preempted=None, target_ongoing: float = 64):
+    replicas = range(len(queued_tokens))
+    metrics = {"queued_tokens": dict(zip(replicas, queued_tokens, strict=True)),
+               "kv_usage": dict(zip(replicas, kv_usage or [0.1] * len(queued_tokens), strict=True)),
+               "queue_wait_s": dict(zip(replicas, wait or [0.0] * len(queued_tokens), strict=True)),
+               "preempted_waiting": dict(zip(replicas, preempted or [0] * len(queued_tokens),
+                                             strict=True))}
+    config = AutoscalingConfig(min_replicas=1, max_replicas=4,
+                               target_ongoing_requests=target_ongoing)
+    return SimpleNamespace(current_num_replicas=len(queued_tokens),
+                           target_num_replicas=len(queued_tokens), total_num_requests=ongoing,
+                           aggregated_metrics=metrics, config=config, deployment_name="Batcher")
+
+
+def test_policy_scales_on_queued_tokens_where_ongoing_requests_do_not():
+    # A burst of 6 long prompts: 6 ongoing requests (far under 64 a replica), 24k tokens queued.
+    ctx = policy_context([24_000], ongoing=6)
+    default, _ = replica_queue_length_autoscaling_policy(ctx)
+    ours, state = LLMLoadPolicy(target_queued_tokens=8192)(ctx)
+    assert default < 1 and ours == pytest.approx(24_000 / 8192)
+    assert max(state["signals"], key=state["signals"].get) == "queued_tokens"
+    # Idle: both ask for less than one replica each (Serve's bounds and delays apply).
+    assert LLMLoadPolicy()(policy_context([0, 0], ongoing=0))[0] < 1
+
+
+def test_policy_scales_on_kv_pressure_and_waiting():
+    policy = LLMLoadPolicy(target_kv_usage=0.8, target_queue_wait_s=5)
+    assert policy(policy_context([0], ongoing=4, kv_usage=[0.96]))[0] == pytest.approx(1.2)
+    assert policy(policy_context([0], ongoing=4, preempted=[2]))[0] == 2
+    assert policy(policy_context([0, 0], ongoing=4, wait=[1, 10]))[0] == pytest.approx(4)
+    with pytest.raises(ValueError):
+        LLMLoadPolicy(target_queued_tokens=0)
+
+
+def replica_registry(queue: float, requests: float, latencies: list[float]) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    Gauge("tgi_queue_size", "Requests waiting", registry=registry).set(queue)
+    Counter("tgi_batch_inference_count", "Steps", ["method"], registry=registry).labels(
+        method="decode").inc(requests)
+    h = Histogram("tgi_batch_forward_duration", "Step time", buckets=(0.1, 1.0), registry=registry)
+    for x in latencies:
+        h.observe(x)
+    return registry
+
+
+def test_metrics_of_several_replicas_are_summed_and_kept_per_replica():
+    text = render({"Batcher:a": collect(replica_registry(2, 10, [0.05, 0.5])),
+                   "Batcher:b": collect(replica_registry(3, 5, [2.0]))})
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("tgi_queue_size", ())] == 5
+    assert samples[("tgi_queue_size", (("replica", "Batcher:a"),))] == 2
+    assert samples[("tgi_batch_inference_count_total", (("method", "decode"),))] == 15
+    assert samples[("tgi_batch_inference_count_total",
+                    (("method", "decode"), ("replica", "Batcher:b")))] == 5
+    assert samples[("tgi_batch_forward_duration_bucket", (("le", "1.0"),))] == 2
+    assert samples[("tgi_batch_forward_duration_count", ())] == 3
+    assert samples[("tgi_batch_forward_duration_sum", (("replica", "Batcher:b"),))] == 2.0
