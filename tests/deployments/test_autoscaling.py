@@ -101,3 +101,54 @@ def test_scales_out_under_load_and_back_in_without_failures(cluster, llama_dir):
         [r for r in results if r != (200, True)][:5]
     assert len(results) >= 18
     print(f"scaled out in {up:.1f} s, back in {down:.1f} s, {len(results)} requests, 0 failed")
+
+
+def test_llm_load_policy_scales_on_queued_prompt_tokens(cluster, llama_dir):
+    """Long prompts, few of them: 10 requests in flight against a target of 1,000 ongoing
+    requests a replica, so Serve's default policy stays at one replica; the LLM-load policy
+    sees the queued prompt tokens, scales to two, and back to one once the burst ends."""
+    from deployments.autoscaling import POLICY_PATH
+    from tests.reference import make_prompts
+
+    args = AppArgs(model=llama_dir, device="cuda", num_blocks=1024, max_concurrent_requests=256,
+                   max_batch_prefill_tokens=2048)
+    batcher = BatcherDeployment.options(
+        name="Batcher", ray_actor_options={"num_cpus": 0.1},
+        placement_group_bundles=args.placement_group_bundles(),
+        placement_group_strategy="STRICT_PACK", graceful_shutdown_timeout_s=120,
+        autoscaling_config={"min_replicas": 1, "initial_replicas": 1, "max_replicas": 2,
+                            "target_ongoing_requests": 1000, "metrics_interval_s": 0.5,
+                            "look_back_period_s": 2,
+                            "upscale_delay_s": 1, "downscale_delay_s": 4,
+                            "policy": {"policy_function": POLICY_PATH,
+                                       "policy_kwargs": {"target_queued_tokens": 2048}}}
+    ).bind(args)
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    serve.run(Ingress.options(ray_actor_options={"num_cpus": 0}).bind(batcher, args),
+              name="scale", route_prefix="/")
+    assert num_running_replicas() == 1
+    results: list[int] = []
+    stop = threading.Event()
+
+    def burst(i: int):
+        seed = 1000 * i
+        while not stop.is_set():  # a fresh prompt each time: nothing comes from the cache
+            seed += 1
+            r = httpx.post(BASE + "/v1/completions", timeout=300, json={
+                "model": llama_dir, "prompt": make_prompts(2048, [1600], seed=seed)[0],
+                "max_tokens": 4, "temperature": 0})
+            results.append(r.status_code)
+
+    threads = [threading.Thread(target=burst, args=(i,)) for i in range(10)]
+    for t in threads:
+        t.start()
+    try:
+        up = wait_replicas(2, timeout=120)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(300)
+    down = wait_replicas(1, timeout=120)
+    assert results and all(code == 200 for code in results), sorted(set(results))
+    print(f"LLM-load policy: scaled out in {up:.1f} s, back in {down:.1f} s, "
+          f"{len(results)} requests, 0 failed")
