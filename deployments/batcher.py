@@ -105,6 +105,9 @@ class Batcher:
         m.set("tgi_batch_current_max_tokens", scheduler.max_batch_total_tokens)
         m.set("raygen_kv_blocks_used", bm.num_used_blocks)
         m.set("raygen_kv_blocks_capacity", bm.num_blocks)
+        load = self.load()
+        m.set("raygen_queued_prompt_tokens", load["queued_tokens"])
+        m.set("raygen_oldest_wait_seconds", load["queue_wait_s"])
         totals = {"prefix_queries": bm.prefix_queries, "prefix_hits": bm.prefix_hits,
                   "preemptions": scheduler.stats.num_preemptions,
                   "aborted": scheduler.stats.num_aborted}

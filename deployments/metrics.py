@@ -57,9 +57,20 @@ BATCHER = {
     "raygen_prefix_cache_hits": Spec("counter", "Prompt tokens served from the prefix cache"),
     "raygen_preemptions": Spec("counter", "Requests preempted for KV space (recomputed later)"),
     "raygen_aborted_requests": Spec("counter", "Requests aborted (client gone, deadline)"),
+    # What the LLM-load autoscaling policy reads (deployments/autoscaling.py).
+    "raygen_queued_prompt_tokens": Spec("gauge", "Prompt tokens waiting to be prefilled"),
+    "raygen_oldest_wait_seconds": Spec("gauge", "Age of the oldest waiting request (s)"),
 }
 
-ALL = {**INGRESS, **BATCHER}
+# Recorded by the batcher's request router, in each ingress process (deployments/routing.py).
+ROUTER = {
+    "raygen_router_decisions": Spec(
+        "counter", "Batcher routing decisions: prefix (to the longest cached prefix), "
+        "balance (its holder too busy or full), fallback (no prefix known, no stats)",
+        ("decision",)),
+}
+
+ALL = {**INGRESS, **BATCHER, **ROUTER}
 
 
 class Metrics:

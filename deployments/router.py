@@ -38,13 +38,6 @@ class PrefixCacheRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def initialize_state(self, **kwargs):
         self.index = routing.PrefixIndex(**kwargs)
         self.decisions = {"prefix": 0, "balance": 0, "fallback": 0}
-        try:
-            from ray.util import metrics
-
-            self._counter = metrics.Counter("raygen_router_decisions", routing.DECISIONS_HELP,
-                                            tag_keys=("decision",))
-        except Exception:  # outside a Ray worker
-            self._counter = None
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
@@ -90,9 +83,7 @@ class PrefixCacheRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def _count(self, decision: str) -> None:
         self.decisions[decision] += 1
-        routing.DECISIONS.labels(decision=decision).inc()
-        if self._counter is not None:
-            self._counter.inc(tags={"decision": decision})
+        routing.record_decision(decision)
 
 
 def _generate_input(pending_request: PendingRequest | None) -> GenerateInput | None:

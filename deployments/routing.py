@@ -23,8 +23,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import prometheus_client as prom
-
+from deployments.metrics import ROUTER, Metrics
 from deployments.metrics_hub import collect
 from engine.block_manager import prefix_block_hashes
 
@@ -32,16 +31,23 @@ STATS_VERSION = 1
 _MASK = 0xFFFFFFFF
 _MAX_RECENT = 200_000  # remembered block names per replica
 
-DECISIONS_HELP = ("Batcher routing decisions: prefix (to the longest cached prefix), balance "
-                  "(its holder too busy or full), fallback (no prefix known, no stats)")
-# The routers of this process (an ingress replica's handles), for GET /metrics.
-_REGISTRY = prom.CollectorRegistry()
-DECISIONS = prom.Counter("raygen_router_decisions", DECISIONS_HELP, ("decision",),
-                         registry=_REGISTRY)
+# The routers of this process (an ingress replica's handles): to Ray and GET /metrics.
+_metrics: Metrics | None = None
+
+
+def _router_metrics() -> Metrics:
+    global _metrics
+    if _metrics is None:
+        _metrics = Metrics(ROUTER)
+    return _metrics
+
+
+def record_decision(decision: str) -> None:
+    _router_metrics().inc("raygen_router_decisions", tags={"decision": decision})
 
 
 def router_families():
-    return collect(_REGISTRY)
+    return collect(_router_metrics().registry)
 
 
 def pack_hashes(hashes) -> bytes:
@@ -71,7 +77,7 @@ class PrefixIndex:
     and the routing decision. Keyed by any hashable replica id; no Serve types, so the
     unit tests drive it directly."""
 
-    def __init__(self, imbalance_margin: int = 8, stats_max_age_s: float = 10.0,
+    def __init__(self, imbalance_margin: int = 8, stats_max_age_s: float = 30.0,
                  recent_ttl_s: float = 30.0, min_match_blocks: int = 1):
         self.imbalance_margin = imbalance_margin
         self.stats_max_age_s = stats_max_age_s

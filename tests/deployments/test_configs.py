@@ -45,3 +45,21 @@ def test_gpu_configs_agree():
     for key in ("model", "device", "tensor_parallel_size", "dtype"):
         assert gpu["args"][key] == kuberay["args"][key]
     assert kuberay["deployments"][0]["autoscaling_config"]["max_replicas"] == 4
+
+
+def test_cluster_configs_route_on_prefixes_and_scale_on_llm_load():
+    """The router and the policy the configs name import, and are raygen's."""
+    from ray.serve.config import AutoscalingPolicy, RequestRouterConfig
+
+    from deployments.autoscaling import POLICY_PATH
+    from deployments.router import ROUTER_PATH
+
+    configs = serve_configs()
+    for name in ("serve_config.yaml", "configs/kuberay-rayservice.yaml"):
+        batcher = configs[name]["applications"][0]["deployments"][0]
+        router = RequestRouterConfig(**batcher["request_router_config"])
+        assert router.request_router_class == ROUTER_PATH
+        assert router.get_serialized_request_router_cls()  # imported and pickled
+    policy = configs["configs/kuberay-rayservice.yaml"]["applications"][0]["deployments"][0][
+        "autoscaling_config"]["policy"]
+    assert AutoscalingPolicy(**policy).policy_function == POLICY_PATH
