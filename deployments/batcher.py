@@ -59,6 +59,7 @@ class Batcher:
         self._counted = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "aborted": 0}
         self.engine_loop = AsyncEngine(self.engine, self.group.step_async, self._record_step)
         self._record_gauges()
+        self._packed: tuple[int, bytes] = (-1, b"")
         self.pusher = None
         if metrics_hub is not None:
             self.pusher = Pusher(metrics_hub, replica_source("Batcher"), self._families)
@@ -146,8 +147,10 @@ class Batcher:
         block names this replica's prefix cache holds (packed) and its load. Async so it
         runs on the engine loop's thread, between steps' bookkeeping."""
         bm = self.engine.scheduler.block_manager
+        if self._packed[0] != bm.names_version:  # repack only what changed
+            self._packed = (bm.names_version, pack_hashes(bm.cached_names))
         return {"v": 1, "time": time.time(), "block_size": bm.block_size,
-                "blocks": pack_hashes(bm.cached_hashes()), **self.load()}
+                "blocks": self._packed[1], **self.load()}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook, read by deployments/autoscaling.py."""

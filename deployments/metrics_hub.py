@@ -71,7 +71,7 @@ def _escape(text: str, help_text: bool = False) -> str:
 
 
 @serve.deployment(name="Metrics", num_replicas=1, ray_actor_options={"num_cpus": 0},
-                  max_ongoing_requests=10_000)
+                  max_ongoing_requests=10_000, logging_config={"enable_access_log": False})
 class MetricsHub:
     def __init__(self):
         self.reports: dict[str, tuple[float, list[Family]]] = {}

@@ -71,6 +71,22 @@ class PrefixCacheRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if request is not None:
             self._remember(replica_id, request)
 
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None):
+        """Give the chosen replica to the request it was chosen for. Serve matches by
+        internal request id, which every call made while serving one HTTP request shares
+        (n > 1 and best_of make several), and indexes only the first: the others would
+        never be given a replica. Matched by identity instead."""
+        pending = self._get_pending_request_matching_internal_request_id(request_metadata)
+        if pending is None or pending.metadata is not request_metadata:
+            pending = next((p for p in self._pending_requests_to_fulfill
+                            if p.metadata is request_metadata and not p.future.done()), None)
+        if pending is None:
+            return
+        self._cancel_routing_task_for_pending_request(pending)
+        self._record_queue_wait_time(pending)
+        pending.future.set_result(replica)
+        self._remove_pending_request_from_indices(pending)
+
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)
         self.index.forget(replica_id)

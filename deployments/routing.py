@@ -51,9 +51,9 @@ def router_families():
 
 
 def pack_hashes(hashes) -> bytes:
-    """32-bit truncated block names, sorted and unique: 4 bytes a block. A collision
-    (about n / 2**32 a lookup) only misroutes."""
-    return array.array("I", sorted({h & _MASK for h in hashes})).tobytes()
+    """32-bit truncated block names: 4 bytes a block. A collision (about n / 2**32 a
+    lookup) only misroutes."""
+    return array.array("I", [h & _MASK for h in hashes]).tobytes()
 
 
 def unpack_hashes(data: bytes) -> frozenset[int]:

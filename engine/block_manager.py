@@ -57,6 +57,10 @@ class BlockManager:
         self.cached_block_ids: dict[BlockKey, int] = {}
         self.block_tables: dict[str, list[int]] = {}
         self.num_named_blocks: dict[str, int] = {}
+        # Names of the cached blocks (hashes of their keys), kept as they change, for the
+        # request router's reports; `names_version` moves whenever the set does.
+        self.cached_names: set[int] = set()
+        self.names_version = 0
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which served from cache
 
@@ -72,10 +76,6 @@ class BlockManager:
     @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
-
-    def cached_hashes(self) -> list[int]:
-        """Names of the blocks a new request could reuse now (in use or free but kept)."""
-        return [hash(key) for key in self.cached_block_ids]
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
@@ -155,6 +155,8 @@ class BlockManager:
             if key not in self.cached_block_ids:
                 block.key = key
                 self.cached_block_ids[key] = block.block_id
+                self.cached_names.add(hash(key))
+                self.names_version += 1
             # else: another request computed the same block first; this copy stays
             # nameless (owned by one request) and its successors chain on the key.
             parent = hash(key)
@@ -203,6 +205,8 @@ class BlockManager:
     def _forget(self, block: Block) -> None:
         if block.key is not None and self.cached_block_ids.get(block.key) == block.block_id:
             del self.cached_block_ids[block.key]
+            self.cached_names.discard(hash(block.key))
+            self.names_version += 1
         block.key = None
 
     # -- invariants ------------------------------------------------------------------
@@ -225,5 +229,7 @@ class BlockManager:
         for key, block_id in self.cached_block_ids.items():
             if self.blocks[block_id].key != key:
                 raise AssertionError(f"cache entry for block {block_id} is stale")
+        if self.cached_names != {hash(key) for key in self.cached_block_ids}:
+            raise AssertionError("cached block names differ from the cached blocks")
         if self.num_free_blocks + sum(o > 0 for o in owners) != self.num_blocks:
             raise AssertionError("free + used != total")

@@ -30,7 +30,7 @@ def replica_holding(prompts: list[list[int]], free_blocks: int = 1000, running: 
         bm.cache_full_blocks(f"r{i}", prompt, len(prompt))
         bm.free(f"r{i}")
     return {"v": 1, "time": time.time() - age_s, "block_size": BS,
-            "blocks": pack_hashes(bm.cached_hashes()), "running": running, "waiting": waiting,
+            "blocks": pack_hashes(bm.cached_names), "running": running, "waiting": waiting,
             "free_blocks": free_blocks}
 
 
@@ -47,7 +47,8 @@ def test_router_chain_is_the_block_managers(prompts):
     bm.cache_full_blocks("a", prompts["turn"], len(prompts["turn"]))
     chain = prefix_block_hashes(prompts["turn"], BS)
     assert len(chain) == (len(prompts["turn"]) - 1) // BS
-    assert set(chain) <= set(bm.cached_hashes())
+    assert set(chain) <= bm.cached_names
+    bm.check_integrity()
     hits, _ = bm.get_computed_blocks(prompts["turn"])
     assert len(hits) == len(chain)
 

@@ -21,25 +21,36 @@ WORKLOAD = Workload(sessions=8, turns=3, system_len=320, user_len=24, max_tokens
 
 
 @pytest.fixture(scope="module")
-def sessions(llama_dir, tmp_path_factory):
+def server(llama_dir, tmp_path_factory):
     config = serve_config(llama_dir, 8000, {"one": (1, None), "two": (2, None)})
     log = tmp_path_factory.mktemp("routing") / "serve.log"
-    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
     with serve_run([], log, target=config, health_paths=("/one/health", "/two/health")):
-        results = {name: asyncio.run(run_sessions(f"{BASE}/{name}", llama_dir, tokenizer, WORKLOAD))
-                   for name in ("one", "two")}
-        metrics = poll_metrics(f"{BASE}/two/metrics")
-    return results, metrics, tokenizer
+        yield
 
 
-def poll_metrics(url: str, timeout: float = 30) -> str:
-    """Replicas push their metrics every 0.5 s: wait until both batchers are listed."""
+@pytest.fixture(scope="module")
+def sessions(server, llama_dir):
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    results = {name: asyncio.run(run_sessions(f"{BASE}/{name}", llama_dir, tokenizer, WORKLOAD))
+               for name in ("one", "two")}
+    return results, poll_metrics(f"{BASE}/two/metrics"), tokenizer
+
+
+def poll_metrics(url: str, timeout: float = 30, until=None) -> str:
+    """Replicas push their metrics every 0.5 s: wait until both batchers are listed (and
+    `until(text)` holds)."""
     deadline = time.monotonic() + timeout
     while True:
         text = httpx.get(url, timeout=10).text
-        if len(requests_per_replica(text)) == 2 or time.monotonic() > deadline:
+        done = len(requests_per_replica(text)) == 2 and (until is None or until(text))
+        if done or time.monotonic() > deadline:
             return text
         time.sleep(0.5)
+
+
+def decisions(metrics: str) -> dict[str, float]:
+    found = re.findall(r'^raygen_router_decisions_total\{decision="(\w+)"\} (\S+)$', metrics, re.M)
+    return {k: float(v) for k, v in found}
 
 
 def test_two_replicas_cache_what_one_would(sessions):
@@ -57,9 +68,7 @@ def test_both_replicas_serve_and_the_router_reports(sessions):
     _, metrics, _ = sessions
     per_replica = requests_per_replica(metrics)
     assert len(per_replica) == 2 and all(v > 0 for v in per_replica.values()), per_replica
-    decisions = dict(re.findall(r'^raygen_router_decisions_total\{decision="(\w+)"\} (\S+)$',
-                                metrics, re.M))
-    assert float(decisions.get("prefix", 0)) > 0, decisions
+    assert decisions(metrics).get("prefix", 0) > 0, decisions(metrics)
 
 
 def test_the_router_changes_where_never_what(sessions, llama_dir):
@@ -69,3 +78,37 @@ def test_the_router_changes_where_never_what(sessions, llama_dir):
     for turn in two[:WORKLOAD.turns]:  # one whole session, against transformers
         expected = hf_greedy(llama_dir, turn.prompt, WORKLOAD.max_tokens)
         assert turn.text == tokenizer.decode(expected, skip_special_tokens=True)
+
+
+def test_several_calls_of_one_request_are_all_routed(sessions, llama_dir):
+    """n > 1 and best_of make several batcher calls inside one HTTP request (one Serve
+    internal request id): each gets a replica."""
+    prompt = sessions[0]["two"]["turns"][0].prompt
+    r = httpx.post(f"{BASE}/two/v1/completions", timeout=120, json={
+        "model": llama_dir, "prompt": prompt, "max_tokens": 6, "n": 3, "temperature": 0.8,
+        "seed": 1})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 3
+    r = httpx.post(f"{BASE}/two/generate", timeout=120, json={
+        "inputs": "Kari", "parameters": {"max_new_tokens": 6, "best_of": 2, "do_sample": True,
+                                         "details": True}})
+    assert r.status_code == 200 and len(r.json()["details"]["best_of_sequences"]) == 1
+
+
+def test_a_busy_holder_shares_its_prefix_past_the_margin(sessions, llama_dir):
+    """24 requests at once, all starting with session 0's prompt (held by one replica):
+    the holder takes them until it serves 8 more than the other, then the other does."""
+    results, before, _ = sessions
+    prefix = results["two"]["turns"][WORKLOAD.turns - 1].prompt
+
+    async def burst():
+        async with httpx.AsyncClient(timeout=300) as client:
+            return await asyncio.gather(*(client.post(f"{BASE}/two/v1/completions", json={
+                "model": llama_dir, "prompt": prefix + [100 + i], "max_tokens": 24,
+                "temperature": 0}) for i in range(24)))
+
+    assert all(r.status_code == 200 for r in asyncio.run(burst()))
+    counts = decisions(before)
+    after = poll_metrics(f"{BASE}/two/metrics", until=lambda text: sum(decisions(text).values())
+                         >= sum(counts.values()) + 24)
+    moved = {k: v - counts.get(k, 0) for k, v in decisions(after).items()}
+    assert moved.get("prefix", 0) >= 8 and moved.get("balance", 0) >= 1, moved
