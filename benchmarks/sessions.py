@@ -56,6 +56,7 @@ class Workload:
     max_tokens: int = 16
     seed: int = 0
     vocab: int = 8000
+    think_s: float = 0.0  # pause before each later turn (a user reading the answer)
 
     def make(self) -> list[tuple[list[int], list[list[int]]]]:
         rng = random.Random(self.seed)
@@ -107,6 +108,8 @@ async def run_sessions(url: str, model: str, tokenizer, workload: Workload,
         system, users = plan[i]
         history = list(system)
         for t, user in enumerate(users):
+            if t and workload.think_s:
+                await asyncio.sleep(workload.think_s)
             prompt = history + user
             result = Turn(i, t, prompt)
             results.append(result)
@@ -144,14 +147,19 @@ def requests_per_replica(metrics_text: str) -> dict[str, float]:
     return {replica: float(value) for replica, value in found}
 
 
-def serve_config(model: str, port: int, apps: dict[str, tuple[int, str | None]]) -> str:
+def serve_config(model: str, port: int, apps: dict[str, tuple]) -> str:
     """One `serve run` config: each app name -> (batcher replicas, router class or None
-    for raygen's)."""
+    for raygen's[, request_router_kwargs])."""
     applications = []
-    for name, (replicas, router) in apps.items():
+    for name, (replicas, router, *kwargs) in apps.items():
         batcher = {"name": "Batcher", "num_replicas": replicas}
-        if router:
-            batcher["request_router_config"] = {"request_router_class": router}
+        if router or kwargs:
+            from deployments.router import ROUTER_PATH
+
+            batcher["request_router_config"] = {
+                "request_router_class": router or ROUTER_PATH,
+                "request_router_kwargs": kwargs[0] if kwargs else {},
+                "request_routing_stats_period_s": 1}
         applications.append({
             "name": name, "route_prefix": f"/{name}", "import_path": "deployments.app:build_app",
             "args": {"model": model, "max_concurrent_requests": 256},

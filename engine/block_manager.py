@@ -16,16 +16,19 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-BlockKey = tuple[int | None, tuple[int, ...]]
+BlockKey = tuple[int, tuple[int, ...]]
+# The parent of a prompt's first block. An int, not None: Python hashes tuples of ints the
+# same way in every process, but hash(None) is an address before Python 3.12, so a chain
+# rooted at None would differ between a replica and the router that reads its names.
+ROOT = 0
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """The names (hashes of their keys) that the blocks of a prompt's cacheable prefix
-    would have: the chain `get_computed_blocks` walks, computable by anyone who has the
-    token ids (the request router does, in the ingress). Python hashes tuples of ints the
-    same way in every process, so replicas and routers agree."""
+    would have: the chain `get_computed_blocks` walks, computable in any process that has
+    the token ids (the request router does, in the ingress)."""
     hashes: list[int] = []
-    parent: int | None = None
+    parent = ROOT
     for i in range((len(token_ids) - 1) // block_size):
         parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
         hashes.append(parent)
@@ -87,7 +90,7 @@ class BlockManager:
             return [], 0
         max_blocks = (len(token_ids) - 1) // self.block_size
         hits: list[int] = []
-        parent: int | None = None
+        parent = ROOT
         for i in range(max_blocks):
             key = (parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size]))
             block_id = self.cached_block_ids.get(key)
@@ -148,7 +151,7 @@ class BlockManager:
         table = self.block_tables[request_id]
         num_full = min(num_tokens, len(token_ids)) // self.block_size
         start = self.num_named_blocks.get(request_id, 0)
-        parent = self.blocks[table[start - 1]].hash if start else None
+        parent = self.blocks[table[start - 1]].hash if start else ROOT
         for i in range(start, num_full):
             block = self.blocks[table[i]]
             key = (parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size]))

@@ -3,7 +3,11 @@ autoscaling policy beside Serve's default, and the merged /metrics text."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +23,7 @@ from engine.block_manager import BlockManager, prefix_block_hashes
 from tests.reference import make_prompts
 
 BS = 16
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def replica_holding(prompts: list[list[int]], free_blocks: int = 1000, running: int = 0,
@@ -157,3 +162,12 @@ def test_metrics_of_several_replicas_are_summed_and_kept_per_replica():
     assert samples[("tgi_batch_forward_duration_bucket", (("le", "1.0"),))] == 2
     assert samples[("tgi_batch_forward_duration_count", ())] == 3
     assert samples[("tgi_batch_forward_duration_sum", (("replica", "Batcher:b"),))] == 2.0
+
+
+def test_block_names_are_the_same_in_every_process(prompts):
+    """The router (in an ingress) reads names a replica computed in another process."""
+    code = ("import json, sys; from engine.block_manager import prefix_block_hashes; "
+            "print(json.dumps(prefix_block_hashes(json.loads(sys.argv[1]), 16)))")
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(prompts["turn"])], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == prefix_block_hashes(prompts["turn"], BS)

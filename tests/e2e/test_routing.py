@@ -17,12 +17,17 @@ from benchmarks.sessions import Workload, requests_per_replica, run_sessions, se
 from tests.e2e.serving import BASE, serve_run
 from tests.reference import hf_greedy
 
-WORKLOAD = Workload(sessions=8, turns=3, system_len=320, user_len=24, max_tokens=8, vocab=2048)
+# Turns 2.5 s apart, and the router's memory of where it sent prefixes off (below): each
+# later turn is routed by what the replicas reported (every second), so the test shows
+# that replica and router compute the same block names in different processes.
+WORKLOAD = Workload(sessions=8, turns=3, system_len=320, user_len=24, max_tokens=8, vocab=2048,
+                    think_s=2.5)
 
 
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory):
-    config = serve_config(llama_dir, 8000, {"one": (1, None), "two": (2, None)})
+    config = serve_config(llama_dir, 8000, {"one": (1, None),
+                                            "two": (2, None, {"recent_ttl_s": 0.0})})
     log = tmp_path_factory.mktemp("routing") / "serve.log"
     with serve_run([], log, target=config, health_paths=("/one/health", "/two/health")):
         yield
