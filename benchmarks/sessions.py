@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--system-len", type=int, default=512)
     p.add_argument("--user-len", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--think-s", type=float, default=0.0, help="pause before each later turn")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--out", default="benchmarks/reports/sessions.json")
     args = p.parse_args(argv)
@@ -215,7 +216,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     workload = Workload(args.sessions, args.turns, args.system_len, args.user_len,
-                        args.max_tokens, vocab=min(tokenizer.vocab_size, 8000))
+                        args.max_tokens, vocab=min(tokenizer.vocab_size, 8000),
+                        think_s=args.think_s)
     apps = {"ideal": (1, None), "default": (2, DEFAULT_ROUTER), "raygen": (2, None)}
     base = f"http://127.0.0.1:{args.port}"
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
