@@ -19,6 +19,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -83,6 +84,23 @@ def _payload(backend: str, model: str, prompt: list[int] | str, output_len: int,
     return "/generate_stream", {"inputs": text, "parameters": {"max_new_tokens": output_len}}
 
 
+class StreamError(Exception):
+    """A streamed request that failed: its HTTP status or its `error` event."""
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[dict]:
+    """The JSON events of a streamed response (SSE `data:` lines; `[DONE]` skipped)."""
+    if response.status_code != 200:
+        raise StreamError(f"HTTP {response.status_code}: {(await response.aread())[:200]!r}")
+    async for line in response.aiter_lines():
+        if not line.startswith("data:") or line.strip() == "data: [DONE]":
+            continue
+        event = json.loads(line[5:])
+        if "error" in event:
+            raise StreamError(str(event["error"])[:200])
+        yield event
+
+
 async def send(client: httpx.AsyncClient, url: str, backend: str, model: str,
                prompt: list[int] | str, output_len: int, ignore_eos: bool,
                text: str) -> RequestResult:
@@ -91,16 +109,7 @@ async def send(client: httpx.AsyncClient, url: str, backend: str, model: str,
     start = last = time.perf_counter()
     try:
         async with client.stream("POST", url + path, json=body) as r:
-            if r.status_code != 200:
-                result.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return result
-            async for line in r.aiter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                    continue
-                event = json.loads(line[5:])
-                if "error" in event:
-                    result.error = str(event["error"])[:200]
-                    return result
+            async for event in sse_events(r):
                 now = time.perf_counter()
                 produced = _tokens_in(backend, event)
                 if produced:
@@ -117,6 +126,8 @@ async def send(client: httpx.AsyncClient, url: str, backend: str, model: str,
                     result.prompt_len = usage.get("prompt_tokens", result.prompt_len)
         result.latency = time.perf_counter() - start
         result.success = result.output_tokens > 0
+    except StreamError as exc:
+        result.error = str(exc)
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.serve import StreamError, sse_events
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
 
@@ -73,28 +75,27 @@ async def _turn(client: httpx.AsyncClient, url: str, model: str, prompt: list[in
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    async with client.stream("POST", url + "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            result.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-            return
-        async for line in r.aiter_lines():
-            if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                continue
-            event = json.loads(line[5:])
-            if "error" in event:
-                result.error = str(event["error"])[:200]
-                return
-            for choice in event.get("choices") or []:
-                if choice.get("text"):
-                    if not result.text:
-                        result.ttft = time.perf_counter() - start
-                    result.text += choice["text"]
-            usage = event.get("usage")
-            if usage:
-                result.prompt_tokens = usage["prompt_tokens"]
-                result.output_tokens = usage["completion_tokens"]
-                details = usage.get("prompt_tokens_details") or {}
-                result.cached_tokens = details.get("cached_tokens") or 0
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            async for event in sse_events(r):
+                _add(result, event, start)
+    except StreamError as exc:
+        result.error = str(exc)
+
+
+def _add(result: Turn, event: dict, start: float) -> None:
+    """Fold one streamed event into the turn: its text, first-token time, usage."""
+    for choice in event.get("choices") or []:
+        if choice.get("text"):
+            if not result.text:
+                result.ttft = time.perf_counter() - start
+            result.text += choice["text"]
+    usage = event.get("usage")
+    if usage:
+        result.prompt_tokens = usage["prompt_tokens"]
+        result.output_tokens = usage["completion_tokens"]
+        details = usage.get("prompt_tokens_details") or {}
+        result.cached_tokens = details.get("cached_tokens") or 0
 
 
 async def run_sessions(url: str, model: str, tokenizer, workload: Workload,

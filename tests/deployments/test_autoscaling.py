@@ -49,6 +49,21 @@ def wait_replicas(n: int, timeout: float) -> float:
     return time.monotonic() - t0
 
 
+def load_until_replicas(n: int, timeout: float, stop: threading.Event, worker, args: list,
+                        join_s: float) -> tuple[float, list[threading.Thread]]:
+    """Run worker(*a) for each a in args on threads until the app has n replicas, then
+    stop them; returns the time it took and the (joined) threads."""
+    threads = [threading.Thread(target=worker, args=a) for a in args]
+    for t in threads:
+        t.start()
+    try:
+        return wait_replicas(n, timeout), threads
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(join_s)
+
+
 def test_scales_out_under_load_and_back_in_without_failures(cluster, llama_dir):
     args = AppArgs(model=llama_dir, device="cuda", num_blocks=512, max_concurrent_requests=256)
     batcher = BatcherDeployment.options(
@@ -76,15 +91,7 @@ def test_scales_out_under_load_and_back_in_without_failures(cluster, llama_dir):
                         last = line
                 results.append((r.status_code, last is not None and '"details": {' in last))
 
-    heavy = [threading.Thread(target=stream_loop, args=(150,)) for _ in range(16)]
-    for t in heavy:
-        t.start()
-    try:
-        up = wait_replicas(2, timeout=90)
-    finally:
-        stop.set()
-        for t in heavy:
-            t.join(120)
+    up, heavy = load_until_replicas(2, 90, stop, stream_loop, [(150,)] * 16, join_s=120)
     # Quiet (below target), but two streams run back to back through the scale-in, so
     # the replica that goes away is serving one when it is told to stop.
     stop.clear()
@@ -139,15 +146,7 @@ def test_llm_load_policy_scales_on_queued_prompt_tokens(cluster, llama_dir):
                 "max_tokens": 4, "temperature": 0})
             results.append(r.status_code)
 
-    threads = [threading.Thread(target=burst, args=(i,)) for i in range(10)]
-    for t in threads:
-        t.start()
-    try:
-        up = wait_replicas(2, timeout=120)
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(300)
+    up, _ = load_until_replicas(2, 120, stop, burst, [(i,) for i in range(10)], join_s=300)
     down = wait_replicas(1, timeout=120)
     assert results and all(code == 200 for code in results), sorted(set(results))
     print(f"LLM-load policy: scaled out in {up:.1f} s, back in {down:.1f} s, "
