@@ -102,17 +102,17 @@ def test_several_calls_of_one_request_are_all_routed(sessions, llama_dir):
 def test_a_busy_holder_shares_its_prefix_past_the_margin(sessions, llama_dir):
     """24 requests at once, all starting with session 0's prompt (held by one replica):
     the holder takes them until it serves 8 more than the other, then the other does."""
-    results, before, _ = sessions
+    results, _, _ = sessions
     prefix = results["two"]["turns"][WORKLOAD.turns - 1].prompt
+    counts = decisions(httpx.get(f"{BASE}/two/metrics", timeout=10).text)
 
     async def burst():
         async with httpx.AsyncClient(timeout=300) as client:
             return await asyncio.gather(*(client.post(f"{BASE}/two/v1/completions", json={
-                "model": llama_dir, "prompt": prefix + [100 + i], "max_tokens": 24,
+                "model": llama_dir, "prompt": prefix + [100 + i], "max_tokens": 200,
                 "temperature": 0}) for i in range(24)))
 
     assert all(r.status_code == 200 for r in asyncio.run(burst()))
-    counts = decisions(before)
     after = poll_metrics(f"{BASE}/two/metrics", until=lambda text: sum(decisions(text).values())
                          >= sum(counts.values()) + 24)
     moved = {k: v - counts.get(k, 0) for k, v in decisions(after).items()}
