@@ -22,6 +22,7 @@ from ray import serve
 logger = logging.getLogger("ray.serve")
 
 PUSH_PERIOD_S = 0.5
+PUSH_TIMEOUT_S = 5.0  # a push that never returns (the hub not yet routable) is retried
 STALE_AFTER_S = 30.0
 
 # (family name, type, help, [(sample name, labels, value)])
@@ -97,27 +98,33 @@ class Pusher:
         self.ensure_started()
 
     def ensure_started(self) -> None:
-        if self._task is not None and not self._task.done():
-            return
+        if self._task is not None and not self._task.done() and self._task.get_loop().is_running():
+            return  # (a task left on a loop that stopped, e.g. the constructor's, is replaced)
         try:
             self._task = asyncio.get_running_loop().create_task(self._run())
         except RuntimeError:  # no loop in this thread yet
             pass
 
     async def _run(self) -> None:
-        last, last_sent = None, 0.0
+        last, last_sent, failing = None, 0.0, False
         while True:
             try:
                 families = self.families()
                 now = time.monotonic()
                 if families != last or now - last_sent > STALE_AFTER_S / 3:
-                    await self.hub.report.remote(self.source, families)
+                    await asyncio.wait_for(self._push(families), PUSH_TIMEOUT_S)
                     last, last_sent = families, now
+                failing = False
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # the hub restarting: try again next period
-                logger.debug("metrics push failed: %s", exc)
+            except Exception as exc:  # the hub restarting, a push timed out: try again
+                (logger.debug if failing else logger.warning)(
+                    "metrics push from %s failed: %r", self.source, exc)
+                failing = True
             await asyncio.sleep(PUSH_PERIOD_S)
+
+    async def _push(self, families: list[Family]) -> None:
+        await self.hub.report.remote(self.source, families)
 
     def stop(self) -> None:
         if self._task is not None:

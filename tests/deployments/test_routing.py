@@ -3,6 +3,7 @@ autoscaling policy beside Serve's default, and the merged /metrics text."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -16,8 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 from ray.serve.config import AutoscalingConfig
 
+from deployments import metrics_hub
 from deployments.autoscaling import LLMLoadPolicy
-from deployments.metrics_hub import collect, render
+from deployments.metrics_hub import Pusher, collect, render
 from deployments.routing import PrefixIndex, pack_hashes
 from engine.block_manager import BlockManager, prefix_block_hashes
 from tests.reference import make_prompts
@@ -162,6 +164,41 @@ def test_metrics_of_several_replicas_are_summed_and_kept_per_replica():
     assert samples[("tgi_batch_forward_duration_bucket", (("le", "1.0"),))] == 2
     assert samples[("tgi_batch_forward_duration_count", ())] == 3
     assert samples[("tgi_batch_forward_duration_sum", (("replica", "Batcher:b"),))] == 2.0
+
+
+def test_pusher_outlives_a_hub_that_hangs_or_fails(monkeypatch):
+    """A push that never returns (a hub not yet routable) or raises must not silence a
+    replica's metrics for good: the next period pushes again."""
+    monkeypatch.setattr(metrics_hub, "PUSH_PERIOD_S", 0.01)
+    monkeypatch.setattr(metrics_hub, "PUSH_TIMEOUT_S", 0.05)
+    received, calls = [], []
+
+    class Hub:
+        class report:
+            @staticmethod
+            def remote(source, families):
+                calls.append(source)
+                if len(calls) == 1:
+                    return asyncio.get_running_loop().create_future()  # never resolves
+                if len(calls) == 2:
+                    raise ConnectionError("hub restarting")
+                received.append(families)
+                return asyncio.sleep(0)
+
+    async def main():
+        value = [1]
+        pusher = Pusher(Hub, "Batcher:x", lambda: list(value))
+        deadline = time.monotonic() + 10
+        while not received and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        value.append(2)  # a change goes out on the next period
+        while len(received) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        pusher.stop()
+
+    asyncio.run(main())
+    assert calls[:3] == ["Batcher:x"] * 3
+    assert received[:2] == [[1], [1, 2]]
 
 
 def test_block_names_are_the_same_in_every_process(prompts):
