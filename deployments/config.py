@@ -43,6 +43,9 @@ class AppArgs(BaseModel):
     torch_compile: bool = Field(
         False, description="CPU, tensor_parallel_size 1: torch.compile the layers' dense "
         "parts at start-up (shards/compiled.py)")
+    cpu_matmul: Literal["auto", "onednn", "torch"] = Field(
+        "auto", description="who multiplies by the weights on CPU: oneDNN on weights "
+        "reordered at start-up (auto, unless torch_compile) or torch (MKL)")
     reserved_cpus: int = Field(
         0, ge=0, description="cores per node for the serving plane (ingress, batcher); the "
         "shards split the others, each rank pinned to its own slice")
@@ -108,6 +111,7 @@ class AppArgs(BaseModel):
             gpu_memory_utilization=self.gpu_memory_utilization,
             attention_backend=self.attention_backend, cpu_threads=self.cpu_threads,
             reserved_cpus=self.reserved_cpus, torch_compile=self.torch_compile,
+            cpu_matmul=self.cpu_matmul,
             debug_prefill_delay_s=self.debug_prefill_delay_s)
 
     def placement_group_bundles(self) -> list[dict[str, float]]:

@@ -17,7 +17,7 @@ from engine.messages import StepInput, StepOutput
 from engine.sampling_params import SamplingParams
 from shards.attention import AttentionMetadata, PrefillSeq, select_backend
 from shards.grammar import Grammars
-from shards.layers import TPContext
+from shards.layers import TPContext, onednn_usable, pack_for_onednn
 from shards.loader import load_weights
 from shards.model import CausalLM
 from shards.model_config import ModelConfig
@@ -39,6 +39,7 @@ class ShardConfig:
     cpu_threads: int | None = None  # None: every core this process may use
     reserved_cpus: int = 0  # cores per node left to the serving plane (shards/cpu_plan.py)
     torch_compile: bool = False  # CPU, one rank: compile the dense parts (shards/compiled.py)
+    cpu_matmul: str = "auto"  # onednn | torch; auto: oneDNN on CPU (float32/bfloat16) unless compiled
     # Testing only: each rank sleeps this long before a step that admits new requests, so
     # tests get steps of any length without long prompts.
     debug_prefill_delay_s: float = 0.0
@@ -93,12 +94,34 @@ class ModelRunner:
             from shards.compiled import compile_layers
 
             compile_layers(self.model)
+        self.matmul = self._pack_weights(config.cpu_matmul)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.seqs: dict[str, _Seq] = {}
         # Rank 0 samples, so it alone keeps the grammar matchers.
         self.grammars = Grammars(config.model, self.model_config.vocab_size) \
             if tp.rank == 0 else None
+
+    def _pack_weights(self, choice: str) -> str:
+        """Which library multiplies by the weights (layers._Matmul): oneDNN on CPU, on
+        weights reordered once here; torch otherwise (CUDA, a compiled forward, which
+        prepacks its own, or when asked)."""
+        if choice not in ("auto", "onednn", "torch"):
+            raise ValueError(f"cpu_matmul must be auto, onednn or torch, not {choice!r}")
+        usable = onednn_usable(self.device, self.dtype)
+        if choice == "onednn" and not usable:
+            raise ValueError(f"cpu_matmul=onednn needs a CPU shard in float32 or bfloat16 "
+                             f"with oneDNN (here: {self.device.type}, {self.dtype})")
+        if choice == "torch" or not usable or (choice == "auto" and self.compiled):
+            return "torch"
+        if self.compiled:
+            raise ValueError("cpu_matmul=onednn and torch_compile exclude each other "
+                             "(the compiled forward prepacks its own weights)")
+        t0 = time.perf_counter()
+        size = pack_for_onednn(self.model)
+        logger.info("weights reordered for oneDNN: %.0f MB in %.1f s", size / 2**20,
+                    time.perf_counter() - t0)
+        return "onednn"
 
     # -- KV cache ----------------------------------------------------------------------
     @property

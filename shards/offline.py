@@ -28,11 +28,12 @@ class LLM:
                  max_model_len: int | None = None, block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_memory: int = 1 << 30,
                  dtype: str = "auto", device: str = "auto", attention_backend: str = "auto",
-                 cpu_threads: int | None = None, torch_compile: bool = False):
+                 cpu_threads: int | None = None, torch_compile: bool = False,
+                 cpu_matmul: str = "auto"):
         self.runner = ModelRunner(ShardConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, attention_backend=attention_backend,
-            cpu_threads=cpu_threads, torch_compile=torch_compile))
+            cpu_threads=cpu_threads, torch_compile=torch_compile, cpu_matmul=cpu_matmul))
         num_blocks = self.runner.profile_num_blocks(max_batch_prefill_tokens)
         if max_batch_total_tokens is not None:
             num_blocks = min(num_blocks, -(-max_batch_total_tokens // block_size))

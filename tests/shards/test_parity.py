@@ -144,3 +144,31 @@ def test_compiled_forward_matches_transformers(arch, llama_dir, qwen2_dir, parit
     assert llm.runner.compiled
     got, _ = run_staggered(llm, parity_prompts, PARITY_NEW_TOKENS)
     assert got == references(model_dir, parity_prompts, PARITY_NEW_TOKENS)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("cpu_matmul", ["onednn", "torch"])
+def test_either_cpu_matmul_matches_transformers(cpu_matmul, arch, llama_dir, qwen2_dir,
+                                               parity_prompts):
+    # oneDNN on reordered weights (the CPU default) and torch's own matmul both give
+    # transformers' tokens; with oneDNN every linear runs on its packed weight and the
+    # plain copy is freed, except the embedding that qwen2's lm_head shares.
+    model_dir = llama_dir if arch == "llama" else qwen2_dir
+    llm = LLM(model_dir, num_blocks=256, cpu_matmul=cpu_matmul, device="cpu")
+    model = llm.runner.model
+    assert llm.runner.matmul == cpu_matmul
+    linears = [m for m in model.modules() if hasattr(m, "packed")]
+    assert len(linears) == 4 * len(model.model.layers) + 1
+    assert all((m.packed is not None) == (cpu_matmul == "onednn") for m in linears)
+    tied = arch == "qwen2"
+    assert (model.lm_head.weight.numel() > 0) == (tied or cpu_matmul == "torch")
+    assert (model.model.layers[0].mlp.down_proj.weight.numel() > 0) == (cpu_matmul == "torch")
+    got, _ = run_staggered(llm, parity_prompts, PARITY_NEW_TOKENS)
+    assert got == references(model_dir, parity_prompts, PARITY_NEW_TOKENS)
+
+
+def test_cpu_matmul_refuses_what_it_cannot_do(llama_dir):
+    with pytest.raises(ValueError, match="exclude each other"):
+        LLM(llama_dir, num_blocks=16, cpu_matmul="onednn", torch_compile=True, device="cpu")
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        LLM(llama_dir, num_blocks=16, cpu_matmul="onednn", dtype="float16", device="cpu")
