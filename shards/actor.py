@@ -76,11 +76,17 @@ class ShardActor:
         return self.weight_bytes()
 
     def weight_bytes(self) -> int:
+        """Bytes of weights this rank holds: parameters, and weights reordered for oneDNN
+        (whose plain copies were freed)."""
         seen, total = set(), 0
         for p in self.runner.model.parameters():
-            if p.data_ptr() not in seen:
+            if p.numel() and p.data_ptr() not in seen:
                 seen.add(p.data_ptr())
                 total += p.numel() * p.element_size()
+        for module in self.runner.model.modules():
+            packed = getattr(module, "packed", None)
+            if packed is not None:
+                total += packed.numel() * packed.element_size()
         return total
 
     def profile_num_blocks(self, max_batch_prefill_tokens: int) -> int:

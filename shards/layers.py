@@ -52,9 +52,10 @@ def _copy(param: nn.Parameter, offset: int, tensor: torch.Tensor) -> None:
 
 class _Matmul(nn.Module):
     """x W^T through torch (MKL on CPU), or through oneDNN on a weight reordered once
-    for it (`pack_for_onednn`): on CPU oneDNN's matrix products are 2-3x faster than
-    MKL's at every row count a step has (MKL takes its slow path on AMD; oneDNN is what
-    vLLM's CPU backend and inductor use). Same arithmetic, another summation order."""
+    for it (`pack_for_onednn`): measured on this project's AMD CPU machine, oneDNN's
+    products run 2-3x faster than MKL's at every row count a step has (one row: 42-58
+    vs 16 GB/s; benchmarks/NOTES.md). oneDNN is also what vLLM's CPU backend and
+    inductor use. Same arithmetic, another summation order."""
 
     packed: torch.Tensor | None = None
 

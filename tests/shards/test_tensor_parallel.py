@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -65,6 +66,8 @@ def test_each_rank_holds_about_half_the_weights(llama_dir):
     two = ShardGroup(ShardConfig(model=llama_dir, num_blocks=8), 2, num_cpus_per_shard=0.5)
     try:
         full = one.weight_bytes[0]
+        checkpoint = sum(f.stat().st_size for f in Path(llama_dir).glob("*.safetensors"))
+        assert abs(full / checkpoint - 1) < 0.05, (full, checkpoint)  # packed ones counted
         for rank_bytes in two.weight_bytes:
             assert abs(rank_bytes / (full / 2) - 1) < 0.15, (rank_bytes, full)
     finally:
