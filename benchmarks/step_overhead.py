@@ -81,7 +81,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default="models/demo-small")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--tp", default="1,2", help="tensor-parallel sizes to run")
     args = parser.parse_args(argv)
+    tps = [int(t) for t in args.tp.split(",")]
     if not os.path.exists(os.path.join(args.model, "config.json")):
         from shards.demo_model import write_demo_model
 
@@ -94,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     local = decode_step_ms(runner, args.model, 256, args.batch, args.steps)
     del runner
     print(f"decode step, batch {args.batch}, in-process:             {local:7.2f} ms")
-    for tp in (1, 2):
+    for tp in tps:
         for compiled in (False, True):
             group = ShardGroup(config, tp, num_cpus_per_shard=0, compiled_graph=compiled)
             group.warmup(4096)
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
             how = "compiled graph" if compiled else "actor calls   "
             print(f"decode step, batch {args.batch}, TP={tp} {how}: {remote:7.2f} ms "
                   f"({remote - local:+.2f} ms, {remote / local:.2f}x in-process)")
-    for tp in (1, 2):
+    for tp in tps:
         plain, graph = round_trip_us(300, tp)
         print(f"bare round trip TP={tp}: actor calls {plain:7.0f} us, compiled graph {graph:7.0f} us")
     ray.shutdown()
