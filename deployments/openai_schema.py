@@ -35,8 +35,52 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+# Fields of OpenAI's API or vLLM's extensions that would change the output and that this
+# server does not implement: refused unless at their neutral value, never ignored.
+# (Other unknown fields, e.g. `user`, `metadata`, `store`, change nothing and are ignored,
+# as OpenAI-compatible servers do.)
+_OFF = (None, False, "", {}, [])
+UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name: (values that change nothing, refusal)
+    "logit_bias": (_OFF, "logit_bias is not supported"),
+    "suffix": (_OFF, "suffix is not supported"),
+    "best_of": ((None, 1), "best_of is not supported on /v1/completions; use n, or TGI's best_of"),
+    "min_p": ((None, 0), "min_p is not supported"),
+    "min_tokens": ((None, 0), "min_tokens is not supported"),
+    "use_beam_search": (_OFF, "beam search is not supported"),
+    "length_penalty": ((None, 1), "length_penalty is not supported (no beam search)"),
+    "guided_json": (_OFF, "guided_json is not supported; use response_format"),
+    "guided_regex": (_OFF, "guided_regex is not supported; use response_format or TGI's grammar"),
+    "guided_choice": (_OFF, "guided_choice is not supported; use response_format"),
+    "guided_grammar": (_OFF, "guided_grammar is not supported; use TGI's grammar"),
+    "structured_outputs": (_OFF, "structured_outputs is not supported; use response_format"),
+    "functions": (_OFF, "functions is not supported; use tools"),
+    "function_call": (_OFF, "function_call is not supported; use tool_choice"),
+    "prediction": (_OFF, "prediction is not supported"),
+    "audio": (_OFF, "audio output is not supported"),
+    "modalities": ((None, ["text"]), "only text output is supported (modalities: [\"text\"])"),
+}
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """Equal, without True == 1 or 0 == False; 1 == 1.0."""
+    if value is None or neutral is None or isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    if isinstance(value, int | float) and isinstance(neutral, int | float):
+        return value == neutral
+    return type(value) is type(neutral) and value == neutral
+
+
+def refuse_unsupported(req: BaseModel) -> None:
+    for name, value in (req.model_extra or {}).items():
+        if name in UNSUPPORTED:
+            neutral, message = UNSUPPORTED[name]
+            if not any(_same(value, n) for n in neutral):
+                raise bad(message)
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Extra fields are kept (model_extra) so that `refuse_unsupported` can see them.
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -50,6 +94,8 @@ class _Common(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False  # vLLM's extension: exact output lengths for benchmarks
+    top_k: int | None = None  # vLLM's extension; -1 or 0: off
+    repetition_penalty: float | None = None  # vLLM's extension (HF's); 1: off
     response_format: ResponseFormat | None = None
 
 
@@ -140,7 +186,10 @@ def prompts(tok: Any, req: CompletionRequest | ChatRequest, chat: bool) -> list[
 def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, chat: bool,
            num_prompt_tokens: int) -> SamplingParams:
     """OpenAI's sampling fields, checked against the server's limits."""
+    refuse_unsupported(req)
     temperature = 1.0 if req.temperature is None else req.temperature
+    top_k = 0 if req.top_k in (None, -1) else req.top_k
+    repetition_penalty = 1.0 if req.repetition_penalty is None else req.repetition_penalty
     top_p = 1.0 if req.top_p is None else req.top_p
     checks = [
         (0 <= temperature <= 2, "temperature must be between 0 and 2"),
@@ -148,6 +197,8 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
         (1 <= req.n <= max_n, f"n must be between 1 and {max_n}"),
         (-2 <= req.presence_penalty <= 2, "presence_penalty must be between -2 and 2"),
         (-2 <= req.frequency_penalty <= 2, "frequency_penalty must be between -2 and 2"),
+        (top_k >= 0, "top_k must be -1 (off) or positive"),
+        (0 < repetition_penalty <= 10, "repetition_penalty must be in (0, 10]"),
     ]
     for ok, message in checks:
         if not ok:
@@ -173,7 +224,8 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
                          f"However, you requested {num_prompt_tokens + max_tokens} tokens "
                          f"({num_prompt_tokens} in the prompt, {max_tokens} in the completion).")
     return SamplingParams(
-        max_new_tokens=max_tokens, temperature=temperature, top_p=top_p,
+        max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        repetition_penalty=repetition_penalty,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         seed=req.seed, stop=tuple(stop), top_n_tokens=top_n, ignore_eos=req.ignore_eos)
 

@@ -107,6 +107,8 @@ def validate(request: TGIRequest, tokenizer: Any, limits: Limits, stream: bool) 
     if p.truncate is not None and (p.truncate == 0 or p.truncate > limits.max_input_tokens):
         raise ValidationError("`truncate` must be strictly positive and less than "
                               f"{limits.max_input_tokens}. Given: {p.truncate}")
+    if p.adapter_id:
+        raise ValidationError("`adapter_id` is not supported: this server loads no LoRA adapters")
     if p.watermark:
         raise ValidationError("`watermark` is not supported")
     grammar_text = _grammar(p.grammar) if p.grammar is not None else None

@@ -60,6 +60,7 @@ VALIDATION = [
     ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` > 1"),
     ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
     ({"watermark": True}, "`watermark` is not supported"),
+    ({"adapter_id": "my-lora"}, "`adapter_id` is not supported: this server loads no LoRA adapters"),
     ({"grammar": {"type": "regex"}}, "`grammar` must be an object with `type` and `value`"),
 ]
 
@@ -148,6 +149,48 @@ def test_openai_errors_use_openai_shape(app):
         r = post(path, payload)
         assert r.status_code == 400, (payload, r.text)
         assert set(r.json()["error"]) >= {"message", "type"}
+
+
+def test_openai_refuses_output_changing_fields_it_does_not_implement(app):
+    """A field that would change the output is honoured or refused, never ignored; fields
+    that change nothing (`user`, `metadata`) and neutral values pass."""
+    completion = {"model": "m", "prompt": "Hello kari", "max_tokens": 4, "temperature": 0}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "temperature": 0}
+    for path, body, field in (
+            ("/v1/completions", {**completion, "logit_bias": {"5": 100}}, "logit_bias"),
+            ("/v1/completions", {**completion, "suffix": " end"}, "suffix"),
+            ("/v1/completions", {**completion, "best_of": 2}, "best_of"),
+            ("/v1/completions", {**completion, "min_p": 0.1}, "min_p"),
+            ("/v1/chat/completions", {**chat, "guided_json": {"type": "object"}}, "guided_json"),
+            ("/v1/chat/completions", {**chat, "functions": [{"name": "f"}]}, "functions"),
+            ("/v1/chat/completions", {**chat, "modalities": ["text", "audio"]}, "text output")):
+        r = post(path, body)
+        assert r.status_code == 400, (field, r.text)
+        assert field in r.json()["error"]["message"]
+    for path, body in (("/v1/completions", {**completion, "logit_bias": {}, "best_of": 1,
+                                            "user": "u", "length_penalty": 1.0}),
+                       ("/v1/chat/completions", {**chat, "modalities": ["text"],
+                                                 "metadata": {"k": "v"}})):
+        assert post(path, body).status_code == 200, body
+
+
+def test_openai_honours_vllm_top_k_and_repetition_penalty(app):
+    """vLLM's extensions, taken as the engine's own top_k and repetition_penalty: top_k 1
+    samples the greedy token at any temperature; a penalty changes what greedy picks
+    exactly as the TGI route with the same penalty does."""
+    body = {"model": "m", "prompt": "Tona sefi mole", "max_tokens": 12}
+    greedy = post("/v1/completions", {**body, "temperature": 0}).json()["choices"][0]["text"]
+    sampled = [post("/v1/completions", {**body, "temperature": 1.5, "top_k": k, "seed": seed})
+               .json()["choices"][0]["text"] for k in (1, -1) for seed in (1, 2, 3)]
+    assert sampled[:3] == [greedy] * 3
+    assert any(text != greedy for text in sampled[3:])  # top_k -1: off, so it samples
+    penalised = post("/v1/completions", {**body, "temperature": 0, "repetition_penalty": 3.0})
+    tgi = post("/generate", {"inputs": "Tona sefi mole", "parameters": {
+        "max_new_tokens": 12, "repetition_penalty": 3.0}})
+    assert penalised.json()["choices"][0]["text"] == tgi.json()["generated_text"] != greedy
+    assert post("/v1/completions", {**body, "top_k": -2}).status_code == 400
+    assert post("/v1/completions", {**body, "repetition_penalty": 0}).status_code == 400
 
 
 def test_openai_usage_reports_cached_prompt_tokens(app):
