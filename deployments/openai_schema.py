@@ -198,7 +198,7 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
         (-2 <= req.presence_penalty <= 2, "presence_penalty must be between -2 and 2"),
         (-2 <= req.frequency_penalty <= 2, "frequency_penalty must be between -2 and 2"),
         (top_k >= 0, "top_k must be -1 (off) or positive"),
-        (0 < repetition_penalty <= 10, "repetition_penalty must be in (0, 10]"),
+        (repetition_penalty > 0, "repetition_penalty must be > 0 (1: off)"),
     ]
     for ok, message in checks:
         if not ok:
