@@ -64,7 +64,7 @@ def measure(model: str, input_len: int, batch_sizes: list[int], repeats: int = 5
         position = {"n": decode_context}
 
         def decode(ids: list[str] = ids, position: dict = position) -> None:
-            cached = [CachedRequestData(r, [11], [], position["n"]) for r in ids]
+            cached = [CachedRequestData(r, [], position["n"]) for r in ids]
             runner.step(StepInput([], cached, dict.fromkeys(ids, 1)))
             position["n"] += 1
 

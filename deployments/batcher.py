@@ -57,7 +57,8 @@ class Batcher:
                                 model_config.eos_token_ids, self.group)
         self.metrics = Metrics(BATCHER)
         self._counted = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "aborted": 0}
-        self.engine_loop = AsyncEngine(self.engine, self.group.step_async, self._record_step)
+        self.engine_loop = AsyncEngine(self.engine, self.group.step_async, self._record_step,
+                                       max_steps_in_flight=2 if args.async_scheduling else 1)
         self._record_gauges()
         self._packed: tuple[int, bytes] = (-1, b"")
         self.pusher = None

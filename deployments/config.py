@@ -50,6 +50,11 @@ class AppArgs(BaseModel):
         0, ge=0, description="cores per node for the serving plane (ingress, batcher); the "
         "shards split the others, each rank pinned to its own slice")
     compiled_graph: bool | None = None
+    async_scheduling: bool = Field(
+        False, description="schedule the next step while the current one runs; the shards "
+        "feed their own samples in (engine/scheduler.py). Off: on 2 CPU cores it was "
+        "+9% tok/s at concurrency 1 in throughput mode, neutral elsewhere, and admits new "
+        "requests a step later (benchmarks/NOTES.md 15)")
     debug_prefill_delay_s: float = Field(
         0.0, ge=0, description="testing only: shards sleep this long before each step that "
                                "admits requests (long steps without long prompts)")

@@ -3,13 +3,19 @@ its outputs from its own queue. The step itself is awaited (a thread for an in-p
 shard, object refs for Ray shard actors), so the event loop never blocks on a forward.
 
 A consumer that stops reading (client gone: CancelledError or GeneratorExit) aborts its
-request, which frees its blocks before the next step."""
+request, which frees its blocks before the next step.
+
+With `max_steps_in_flight=2` (async scheduling) the next step is scheduled and started
+while the current one runs, so the shards go from one forward to the next without waiting
+for the batcher to apply results. That needs a worker that runs steps in the order they
+were started (a Ray actor does; a thread pool would not)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from engine.llm_engine import LLMEngine
@@ -30,10 +36,14 @@ _Step = tuple[SchedulerOutput, asyncio.Future, float]
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, run_step: StepFn, on_step: StepHook | None = None):
+    def __init__(self, engine: LLMEngine, run_step: StepFn, on_step: StepHook | None = None,
+                 max_steps_in_flight: int = 1):
+        if max_steps_in_flight not in (1, 2):
+            raise ValueError("max_steps_in_flight must be 1 or 2")
         self.engine = engine
         self.run_step = run_step
         self.on_step = on_step
+        self.max_steps_in_flight = max_steps_in_flight
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -112,38 +122,49 @@ class AsyncEngine:
         return scheduled, asyncio.ensure_future(self.run_step(scheduled.step_input)), \
             time.perf_counter()
 
+    def _fill(self, steps: deque[_Step]) -> None:
+        """Start steps until the pipeline is full or there is nothing more to compute."""
+        while len(steps) < self.max_steps_in_flight and self.engine.has_unfinished_requests():
+            step = self._start_step()
+            if step is None:
+                return
+            steps.append(step)
+
     async def _run_loop(self) -> None:
-        # Pipelined: step N+1 is scheduled and started as soon as step N's results are
-        # applied, and only then are step N's outputs handed to the consumers, so that
-        # streaming them out (one message per request) overlaps the next forward instead
-        # of sitting between two forwards. Aborts and new requests still land between
-        # steps: a step's blocks are never freed for reuse before its result is applied.
-        step: _Step | None = None
+        # Pipelined: the next step is scheduled and started as soon as a step's results
+        # are applied (with async scheduling, before), and only then are that step's
+        # outputs handed to the consumers, so that streaming them out overlaps the next
+        # forward instead of sitting between two forwards. Aborts and new requests land
+        # between schedules; blocks freed while a step that wrote them is in flight are
+        # reused only by later steps, which the shards run after it.
+        steps: deque[_Step] = deque()
+        done = 0.0  # when the last step's result arrived
         while True:
             try:
-                if step is None:
+                if not steps:
                     if not self.engine.has_unfinished_requests():
                         self._wakeup.clear()
                         await self._wakeup.wait()
                         continue
-                    step = self._start_step()
-                    if step is None:
+                    self._fill(steps)
+                    if not steps:
                         await asyncio.sleep(0.001)
                         continue
-                (scheduled, running, started), step = step, None
+                scheduled, running, started = steps.popleft()
                 output = await running
+                # A step started while another ran began when that one ended.
+                began, done = max(started, done), time.perf_counter()
                 if self.on_step is not None:
-                    self.on_step(scheduled, time.perf_counter() - started)
+                    self.on_step(scheduled, done - began)
                 outputs = self.engine.process(scheduled, output)
                 try:
-                    if self.engine.has_unfinished_requests():
-                        step = self._start_step()
+                    self._fill(steps)
                 finally:  # even if scheduling failed, these results are owed
                     self._dispatch(outputs)
             except Exception as exc:  # a shard or the engine failed: fail all, never hang
-                if step is not None:
-                    step[1].cancel()
-                    step = None
+                for _, running, _ in steps:
+                    running.cancel()
+                steps.clear()
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 logger.exception("step failed, failing %d requests", len(self._queues))
                 self._dispatch(self.engine.fail_all(self.last_error))

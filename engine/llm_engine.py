@@ -95,6 +95,7 @@ class LLMEngine:
         results = [self._finished_early(r) for r in self.scheduler.finished_unscheduled]
         self.scheduler.finished_unscheduled.clear()
         if output is None:
+            self.scheduler.update(scheduled, None)
             return results
         for request_id, logprobs in output.prompt_logprobs.items():
             state = self._states.get(request_id)
@@ -107,7 +108,7 @@ class LLMEngine:
                                              finish_reason=FinishReason.ERROR, error=error,
                                              num_prompt_tokens=request.num_prompt_tokens))
         rows = {request_id: row for row, request_id in enumerate(output.request_ids)}
-        for request in self.scheduler.update(output):
+        for request in self.scheduler.update(scheduled, output):
             results.append(self._make_output(request, output, rows[request.request_id]))
         return results
 

@@ -1,8 +1,11 @@
 """What the scheduler sends the shards each step, and what comes back.
 
 A step is a diff: requests the shards have not seen (or lost to preemption) come whole,
-the others bring only the tokens and blocks added since their last step, and finished or
-preempted ids are dropped. So a decode step costs a few ints per request."""
+the others bring only the blocks added since their last step, and finished or preempted
+ids are dropped. Sampled tokens never travel back: the shards append what they sample to
+their own copy, so the next step's input does not wait for the batcher (and, with async
+scheduling, is scheduled before the batcher knows it). A decode step costs a few ints per
+request."""
 
 from __future__ import annotations
 
@@ -25,7 +28,6 @@ class NewRequestData:
 @dataclass(frozen=True, slots=True)
 class CachedRequestData:
     request_id: str
-    new_token_ids: list[int]
     new_block_ids: list[int]
     num_computed_tokens: int
 

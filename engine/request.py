@@ -38,9 +38,14 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
-    # How much of token_ids the shards hold; reset when preempted.
-    num_sent_tokens: int = 0
+    # Whether the shards hold this request (they keep the tokens they sample, so only
+    # new blocks go to them after the first step), and how many of its blocks; reset
+    # when preempted.
+    on_shards: bool = False
     num_sent_blocks: int = 0
+    # Tokens being sampled by steps in flight, not yet known here. With async scheduling
+    # the next step computes them anyway: the shards feed their own samples in.
+    num_placeholders: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     first_scheduled_time: float | None = None

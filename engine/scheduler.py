@@ -5,6 +5,12 @@ preempting from the tail when the cache is full; then waiting requests are admit
 arrival order while the prefill budget and free blocks allow. TGI's
 `waiting_served_ratio` / `max_waiting_tokens` decide when a running batch is worth
 interrupting for new prefills.
+
+Async scheduling (vLLM v1's): the next step may be scheduled while the current one runs.
+A request whose sample is still in flight counts it as a placeholder token; the next step
+computes that position anyway, because the shards feed their own samples in, and the
+token becomes known here when the step that sampled it returns. A request is never given
+a placeholder past its length limits, so only an EOS or a stop sequence wastes a row.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ class SchedulerOutput:
     num_decode_tokens: int
     num_admitted: int
     preempted_ids: list[str] = field(default_factory=list)
+    # Requests this step samples a token for (each holds a placeholder until it returns).
+    sampling_ids: list[str] = field(default_factory=list)
     # Why new requests joined a running batch (TGI's tgi_batch_concat reasons): enough of
     # them waited ("backpressure") or they waited long enough ("wait_exceeded").
     concat_reason: str | None = None
@@ -88,7 +96,10 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             request = self.running[i]
-            num_new = request.num_tokens - request.num_computed_tokens
+            if request.num_placeholders and not self._may_grow(request):
+                i += 1  # its last token is in flight: nothing more to compute
+                continue
+            num_new = request.num_tokens + request.num_placeholders - request.num_computed_tokens
             if num_new > 1:  # a prompt (or recompute) still catching up
                 num_new = min(num_new, budget)
                 if num_new == 0:
@@ -117,9 +128,17 @@ class Scheduler:
         self.steps_since_admission = 0 if num_admitted or not had_running else (
             self.steps_since_admission + 1)
         num_prefill = self.config.max_batch_prefill_tokens - budget
-        return SchedulerOutput(self._make_step_input(scheduled), num_prefill, num_decode,
-                               num_admitted, preempted,
-                               concat_reason if had_running and num_admitted else None)
+        step_input, sampling_ids = self._make_step_input(scheduled)
+        return SchedulerOutput(
+            step_input, num_prefill, num_decode, num_admitted, preempted,
+            concat_reason=concat_reason if had_running and num_admitted else None,
+            sampling_ids=sampling_ids)
+
+    def _may_grow(self, request: Request) -> bool:
+        """Whether a request may sample past the tokens it has and those in flight."""
+        pending = request.num_tokens + request.num_placeholders
+        return (pending - request.num_prompt_tokens < request.params.max_new_tokens
+                and pending < self.config.max_model_len)
 
     def _may_admit(self, had_running: bool) -> str | None:
         """Whether to try admitting now, and why (None: not now)."""
@@ -137,6 +156,8 @@ class Scheduler:
         num_admitted = 0
         while self.waiting and budget > 0 and (max_size is None or len(self.running) < max_size):
             request = self.waiting[0]
+            if request.num_placeholders:
+                break  # preempted with a sample in flight: back once that sample is known
             computed, num_cached = [], 0
             if not request.params.prompt_logprobs:  # cached tokens would have no logprobs
                 computed, num_cached = self.block_manager.get_computed_blocks(request.token_ids)
@@ -175,42 +196,51 @@ class Scheduler:
         self.freed_ids.append(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
-        request.num_sent_tokens = request.num_sent_blocks = 0
+        request.on_shards, request.num_sent_blocks = False, 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _make_step_input(self, scheduled: dict[str, int]) -> StepInput:
-        new, cached = [], []
+    def _make_step_input(self, scheduled: dict[str, int]) -> tuple[StepInput, list[str]]:
+        new, cached, sampling = [], [], []
         for request_id, num_new in scheduled.items():
             request = self.requests[request_id]
             end = request.num_computed_tokens + num_new
-            self.block_manager.cache_full_blocks(request_id, request.token_ids, end)
+            # Name only blocks whose tokens are known (a placeholder's are not yet).
+            self.block_manager.cache_full_blocks(request_id, request.token_ids,
+                                                 min(end, request.num_tokens))
             block_ids = self.block_manager.get_block_ids(request_id)
-            if request.num_sent_tokens == 0:
+            if not request.on_shards:
                 new.append(NewRequestData(request_id, list(request.token_ids),
                                           request.num_prompt_tokens, list(block_ids),
                                           request.num_computed_tokens, request.params,
                                           request.seed))
             else:
-                cached.append(CachedRequestData(
-                    request_id, request.token_ids[request.num_sent_tokens :],
-                    block_ids[request.num_sent_blocks :], request.num_computed_tokens))
-            request.num_sent_tokens = request.num_tokens
+                cached.append(CachedRequestData(request_id, block_ids[request.num_sent_blocks :],
+                                                request.num_computed_tokens))
+            request.on_shards = True
             request.num_sent_blocks = len(block_ids)
+            if end == request.num_tokens + request.num_placeholders:  # reaches its end: samples
+                request.num_placeholders += 1
+                sampling.append(request_id)
             request.num_computed_tokens = end
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
         freed, self.freed_ids = self.freed_ids, []
         self.stats.num_steps += 1
-        return StepInput(new, cached, dict(scheduled), freed)
+        return StepInput(new, cached, dict(scheduled), freed), sampling
 
     # -- results -------------------------------------------------------------------
-    def update(self, output: StepOutput) -> list[Request]:
-        """Append sampled tokens; finish requests on eos, stop tokens or length.
-        Returns the requests that got a token (finished ones included)."""
+    def update(self, scheduled: SchedulerOutput, output: StepOutput | None) -> list[Request]:
+        """Append a step's sampled tokens (its placeholders become tokens); finish
+        requests on eos, stop tokens or length. Returns the requests that got a token
+        (finished ones included)."""
+        for request_id in scheduled.sampling_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                request.num_placeholders -= 1
         updated = []
-        for row, request_id in enumerate(output.request_ids):
+        for row, request_id in enumerate(output.request_ids if output else ()):
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
@@ -243,7 +273,7 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
-        if request.num_sent_tokens:
+        if request.on_shards:
             self.freed_ids.append(request_id)
         self.block_manager.free(request_id)
         request.status = RequestStatus.FINISHED

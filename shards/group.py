@@ -15,6 +15,7 @@ waiting for it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -57,8 +58,8 @@ class ShardGroup:
                                    else compiled_graph)
         self._graph = None  # compiled at warmup, so no serving step pays for it
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="shard-group")
-        self._lock = threading.Lock()  # the step thread and the watchdog may both fail us
-        self._step_in_flight = threading.Event()
+        self._lock = threading.RLock()  # the step thread and the watchdog may both fail us
+        self._steps_in_flight = 0
         self._closed = threading.Event()
         self.tensor_parallel_size = tensor_parallel_size
         self.healthy = False
@@ -136,13 +137,21 @@ class ShardGroup:
     def step(self, step_input: StepInput) -> StepOutput | None:
         if not self.healthy:
             raise ShardError(self.error or "shard group is shut down")
-        self._step_in_flight.set()
-        try:
-            if self.use_compiled_graph:
+        if self.use_compiled_graph:
+            with self._in_flight():
                 return self._step_compiled(step_input)
-            return self._step_actor_calls(step_input)
+        return self._wait(self._submit(step_input))
+
+    @contextlib.contextmanager
+    def _in_flight(self):
+        """Count a step as in flight (the watchdog looks for dead ranks meanwhile)."""
+        with self._lock:
+            self._steps_in_flight += 1
+        try:
+            yield
         finally:
-            self._step_in_flight.clear()
+            with self._lock:
+                self._steps_in_flight -= 1
 
     def _step_compiled(self, step_input: StepInput) -> StepOutput | None:
         try:
@@ -155,36 +164,52 @@ class ShardGroup:
         except Exception as exc:  # any failure of the graph ends it: the group is done
             raise self._fail(self._wait_for_dead_rank(), exc) from exc
 
-    def _step_actor_calls(self, step_input: StepInput) -> StepOutput | None:
-        ref = ray.put(step_input)
-        refs = [a.step.remote(ref) for a in self.actors]
-        pending, result = list(refs), None
-        while pending:  # a dead rank's ref resolves (to its error) without a deadline
-            ready, pending = ray.wait(pending, num_returns=1)
-            for done in ready:
-                rank = refs.index(done)
-                try:
-                    value = ray.get(done)
-                except (RayActorError, RayTaskError) as exc:
-                    raise self._fail(rank, exc) from exc
-                if rank == 0:
-                    result = value
-        return result
+    def _submit(self, step_input: StepInput) -> list[ray.ObjectRef]:
+        """Start a step on every rank; an actor runs its steps in the order submitted,
+        so a second step may be submitted before the first returns (async scheduling).
+        One rank gets the input inline; several share one object-store copy."""
+        arg = step_input if len(self.actors) == 1 else ray.put(step_input)
+        refs = [a.step.remote(arg) for a in self.actors]
+        with self._lock:
+            self._steps_in_flight += 1
+        return refs
 
-    async def step_async(self, step_input: StepInput) -> StepOutput | None:
-        """`step` on this group's own thread, so the event loop never blocks. Ray refs are
-        waited on there, not awaited on the caller's loop: a ref's asyncio future can be
-        cancelled under it (seen under Serve), which would look like the loop itself being
-        cancelled. One thread also keeps a compiled graph on the thread that compiled it."""
+    def _wait(self, refs: list[ray.ObjectRef]) -> StepOutput | None:
+        try:
+            pending, result = list(refs), None
+            while pending:  # a dead rank's ref resolves (to its error) without a deadline
+                ready, pending = ray.wait(pending, num_returns=1)
+                for done in ready:
+                    rank = refs.index(done)
+                    try:
+                        value = ray.get(done)
+                    except (RayActorError, RayTaskError) as exc:
+                        raise self._fail(rank, exc) from exc
+                    if rank == 0:
+                        result = value
+            return result
+        finally:
+            with self._lock:
+                self._steps_in_flight -= 1
+
+    def step_async(self, step_input: StepInput) -> asyncio.Future:
+        """Start a step now and return a future of its output, waited on this group's own
+        thread so the event loop never blocks. Ray refs are waited on there, not awaited
+        on the caller's loop: a ref's asyncio future can be cancelled under it (seen under
+        Serve), which would look like the loop itself being cancelled. Actor calls are
+        submitted here at once, so steps started back to back run back to back; a compiled
+        graph's step runs whole on the thread that compiled it."""
         if not self.healthy:  # say why, rather than that the executor is shut down
             raise ShardError(self.error or "shard group is shut down")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.step, step_input)
+        if self.use_compiled_graph:
+            return loop.run_in_executor(self._executor, self.step, step_input)
+        return loop.run_in_executor(self._executor, self._wait, self._submit(step_input))
 
     # -- liveness --------------------------------------------------------------------
     def _watch(self) -> None:
         while not self._closed.wait(WATCHDOG_INTERVAL_S):
-            if not self._step_in_flight.is_set():
+            if not self._steps_in_flight:
                 continue
             try:
                 rank = self._dead_rank()

@@ -1,7 +1,8 @@
 """One shard's work: the weights, the KV cache, and `step(StepInput) -> StepOutput`.
 
-It keeps a mirror of each request's tokens and block table, updated from the step diffs,
-so a decode step ships a few ints per request. Used in-process (offline engine, tests) and
+It keeps a mirror of each request's tokens and block table, updated from the step diffs
+and from its own samples, so a decode step ships a few ints per request and its input
+never waits for the batcher. Used in-process (offline engine, tests) and
 inside the Ray shard actor."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from engine.messages import StepInput, StepOutput
 from engine.sampling_params import SamplingParams
@@ -216,9 +218,26 @@ class ModelRunner:
         logits = None
         if logit_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
-        if self.tp.rank != 0:
-            return None
-        return _make_output(logits, samples, prompt_rows, self.grammars)
+        output = None
+        if self.tp.rank == 0:
+            output = _make_output(logits, samples, prompt_rows, self.grammars)
+        if samples:
+            self._keep_sampled([request_id for request_id, _, _ in samples],
+                               output.token_ids if output is not None else None)
+        return output
+
+    def _keep_sampled(self, request_ids: list[str], token_ids: list[int] | None) -> None:
+        """Append this step's samples to the mirror: the next step's input comes from
+        here, not back from the batcher. Rank 0 sampled them; it broadcasts to the others
+        (every rank knows how many rows there are)."""
+        if self.tp.world_size > 1:
+            tokens = (torch.tensor(token_ids, dtype=torch.long, device=self.device)
+                      if token_ids is not None else
+                      torch.empty(len(request_ids), dtype=torch.long, device=self.device))
+            dist.broadcast(tokens, src=0)
+            token_ids = tokens.tolist()
+        for request_id, token_id in zip(request_ids, token_ids, strict=True):
+            self.seqs[request_id].token_ids.append(token_id)
 
     def _apply_diff(self, step: StepInput) -> None:
         for request_id in step.freed_request_ids:
@@ -234,7 +253,6 @@ class ModelRunner:
                                   new.token_ids[new.num_prompt_tokens:])
         for cached in step.cached_requests:
             seq = self.seqs[cached.request_id]
-            seq.token_ids.extend(cached.new_token_ids)
             seq.block_ids.extend(cached.new_block_ids)
             seq.num_computed_tokens = cached.num_computed_tokens
 

@@ -1,6 +1,6 @@
 """A stand-in shard for scheduler tests: mirrors requests from the step diffs (checking
-the diffs agree with what it already holds) and 'samples' a token computed from the
-sequence, so runs are deterministic without a model."""
+the diffs agree with what it already holds), 'samples' a token computed from the sequence
+and keeps it, as a shard does, so runs are deterministic without a model."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ class FakeWorker:
         self.block_size = block_size
         self.seqs: dict[str, dict] = {}
         self.steps: list[StepInput] = []
+        self.num_sampled = 0
 
     def step(self, step: StepInput) -> StepOutput:
         self.steps.append(step)
@@ -28,7 +29,6 @@ class FakeWorker:
         for cached in step.cached_requests:
             seq = self.seqs[cached.request_id]
             assert seq["computed"] == cached.num_computed_tokens, "mirror out of step"
-            seq["tokens"].extend(cached.new_token_ids)
             seq["blocks"].extend(cached.new_block_ids)
         ids, tokens = [], []
         for rid, n in step.num_scheduled_tokens.items():
@@ -39,4 +39,6 @@ class FakeWorker:
             if seq["computed"] == len(seq["tokens"]):
                 ids.append(rid)
                 tokens.append(next_token(seq["tokens"]))
+                seq["tokens"].append(tokens[-1])  # kept, as a shard keeps what it samples
+        self.num_sampled += len(ids)
         return StepOutput(ids, tokens, [0.0] * len(ids), [])

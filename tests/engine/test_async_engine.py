@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from engine.async_engine import AsyncEngine
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
@@ -128,3 +130,88 @@ def test_closing_a_stream_aborts_and_frees_blocks():
     assert not engine.has_unfinished_requests()
     assert engine.scheduler.block_manager.num_used_blocks == 0
     assert engine.scheduler.stats.num_aborted == 1
+
+
+class InOrderWorker:
+    """Runs steps one at a time in the order they were started, as a Ray actor does, and
+    counts how many were started before the previous one returned."""
+
+    def __init__(self, worker: FakeWorker, delay: float = 0.001):
+        self.worker, self.delay = worker, delay
+        self.lock = asyncio.Lock()  # FIFO: steps run in the order they were started
+        self.started = self.max_in_flight = 0
+
+    async def run_step(self, step_input):
+        self.started += 1
+        self.max_in_flight = max(self.max_in_flight, self.started)
+        try:
+            async with self.lock:
+                await asyncio.sleep(self.delay)
+                return self.worker.step(step_input)
+        finally:
+            self.started -= 1
+
+
+def run_mix(max_steps_in_flight: int):
+    """Requests that end every way (EOS, a stop string, length), on a cache small enough
+    to preempt, one stream aborted early."""
+    async def main():
+        worker = FakeWorker(block_size=4)
+        engine = LLMEngine(SchedulerConfig(max_model_len=1024), CacheConfig(4, 14),
+                           LetterTokenizer(), frozenset({37}), worker)
+        runner = InOrderWorker(worker)
+        ae = AsyncEngine(engine, runner.run_step, max_steps_in_flight=max_steps_in_flight)
+
+        async def one(i: int):
+            params = SamplingParams(max_new_tokens=6 + 3 * i, stop=("q",) if i % 3 == 0 else ())
+            outputs = [o async for o in ae.generate(f"r{i}", [11 + 7 * i, 12, 13 + i], params)]
+            return [t for o in outputs for t in o.token_ids], outputs[-1].finish_reason
+
+        async def aborted():
+            stream = ae.generate("gone", [50, 51, 52], SamplingParams(max_new_tokens=400,
+                                                                      ignore_eos=True))
+            async for output in stream:
+                if len(output.token_ids) and engine.scheduler.stats.num_steps > 6:
+                    break
+            await stream.aclose()
+
+        results = await asyncio.gather(*(one(i) for i in range(10)), aborted())
+        await asyncio.sleep(0.05)
+        return results[:-1], engine, runner
+
+    return asyncio.run(main())
+
+
+def test_async_scheduling_gives_what_one_step_at_a_time_gives():
+    sync, sync_engine, sync_runner = run_mix(1)
+    pipelined, engine, runner = run_mix(2)
+    assert sync_runner.max_in_flight == 1 and runner.max_in_flight == 2
+    assert pipelined == sync
+    reasons = {reason.value for _, reason in sync}
+    assert {"eos_token", "stop_sequence", "length"} <= reasons, reasons  # every way to end
+    assert engine.scheduler.stats.num_preemptions > 0  # preempted with samples in flight
+    for e in (sync_engine, engine):
+        assert not e.has_unfinished_requests() and e.scheduler.stats.num_aborted == 1
+        assert e.scheduler.block_manager.num_used_blocks == 0
+        e.scheduler.check_integrity()
+
+
+def test_async_scheduling_samples_nothing_past_the_length_limit():
+    async def main(max_steps_in_flight: int):
+        engine, worker = make()
+        runner = InOrderWorker(worker)
+        ae = AsyncEngine(engine, runner.run_step, max_steps_in_flight=max_steps_in_flight)
+        results = await asyncio.gather(*(consume(ae, f"r{i}", [11 + i, 12], 3 + 2 * i)
+                                         for i in range(4)))
+        return results, worker.num_sampled, runner.max_in_flight
+
+    sync, sync_sampled, _ = asyncio.run(main(1))
+    pipelined, sampled, in_flight = asyncio.run(main(2))
+    assert in_flight == 2 and [t for t, _ in pipelined] == [t for t, _ in sync]
+    assert sampled == sync_sampled == sum(3 + 2 * i for i in range(4))
+
+
+def test_async_engine_refuses_a_pipeline_it_cannot_keep():
+    engine, worker = make()
+    with pytest.raises(ValueError, match="max_steps_in_flight"):
+        AsyncEngine(engine, worker.step, max_steps_in_flight=3)
