@@ -58,7 +58,7 @@ class ShardGroup:
                                    else compiled_graph)
         self._graph = None  # compiled at warmup, so no serving step pays for it
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="shard-group")
-        self._lock = threading.RLock()  # the step thread and the watchdog may both fail us
+        self._lock = threading.Lock()  # the step thread and the watchdog may both fail us
         self._steps_in_flight = 0
         self._closed = threading.Event()
         self.tensor_parallel_size = tensor_parallel_size
@@ -142,16 +142,18 @@ class ShardGroup:
                 return self._step_compiled(step_input)
         return self._wait(self._submit(step_input))
 
+    def _count_in_flight(self, delta: int) -> None:
+        """Steps in flight (the watchdog looks for dead ranks while there are any)."""
+        with self._lock:
+            self._steps_in_flight += delta
+
     @contextlib.contextmanager
     def _in_flight(self):
-        """Count a step as in flight (the watchdog looks for dead ranks meanwhile)."""
-        with self._lock:
-            self._steps_in_flight += 1
+        self._count_in_flight(1)
         try:
             yield
         finally:
-            with self._lock:
-                self._steps_in_flight -= 1
+            self._count_in_flight(-1)
 
     def _step_compiled(self, step_input: StepInput) -> StepOutput | None:
         try:
@@ -170,8 +172,7 @@ class ShardGroup:
         One rank gets the input inline; several share one object-store copy."""
         arg = step_input if len(self.actors) == 1 else ray.put(step_input)
         refs = [a.step.remote(arg) for a in self.actors]
-        with self._lock:
-            self._steps_in_flight += 1
+        self._count_in_flight(1)
         return refs
 
     def _wait(self, refs: list[ray.ObjectRef]) -> StepOutput | None:
@@ -189,8 +190,7 @@ class ShardGroup:
                         result = value
             return result
         finally:
-            with self._lock:
-                self._steps_in_flight -= 1
+            self._count_in_flight(-1)
 
     def step_async(self, step_input: StepInput) -> asyncio.Future:
         """Start a step now and return a future of its output, waited on this group's own
