@@ -12,6 +12,7 @@ over both counts twice. A replica that stops pushing (gone) drops out after
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections.abc import Callable
@@ -101,7 +102,10 @@ class Pusher:
         if self._task is not None and not self._task.done() and self._task.get_loop().is_running():
             return  # (a task left on a loop that stopped, e.g. the constructor's, is replaced)
         try:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            # A fresh context, like the engine loop's: pushes must not be calls of (and
+            # cancelled with) whichever request happened to start the pusher.
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), context=contextvars.Context())
         except RuntimeError:  # no loop in this thread yet
             pass
 

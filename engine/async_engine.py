@@ -13,6 +13,7 @@ were started (a Ray actor does; a thread pool would not)."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import time
 from collections import deque
@@ -107,7 +108,12 @@ class AsyncEngine:
             self._dispatch(self.engine.fail_all(reason))
         self._wakeup = asyncio.Event()  # events bind to the loop that first waits
         self._wakeup.set()
-        self._loop_task = asyncio.create_task(self._run_loop(), name="engine-loop")
+        # A fresh context: the loop serves every request and must not inherit the one whose
+        # call happened to start it. Under Ray that context names the caller's task, and
+        # cancelling a task (Serve does when a client leaves) cancels the calls made in it:
+        # the shard step in flight for every request, not only the one that left.
+        self._loop_task = asyncio.create_task(self._run_loop(), name="engine-loop",
+                                              context=contextvars.Context())
         self._loop_task.add_done_callback(self._loop_ended)
 
     def _loop_ended(self, task: asyncio.Task) -> None:

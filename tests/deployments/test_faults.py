@@ -33,6 +33,10 @@ def apps(llama_dir):
               name="kv", route_prefix="/kv")
     serve.run(build_app(AppArgs(model=llama_dir, request_timeout=1.0, num_blocks=512)),
               name="slow", route_prefix="/slow")
+    for mode in ("sync", "async"):  # an app per step pipeline depth, slow admitting steps
+        serve.run(build_app(AppArgs(model=llama_dir, num_blocks=256, debug_prefill_delay_s=2.0,
+                                    async_scheduling=mode == "async")),
+                  name=f"owner-{mode}", route_prefix=f"/owner-{mode}")
     yield
     serve.shutdown()
     ray.shutdown()
@@ -88,12 +92,46 @@ def test_disconnect_storm(apps, offline, tokenizer):
     expected = offline.generate([prompts[i] for i in kept],
                                 [SamplingParams(max_new_tokens=lengths[i]) for i in kept])
     for i, ref in zip(kept, expected, strict=True):
+        assert all("token" in e for e in results[i]), (i, results[i][-1])
         assert [e["token"]["id"] for e in results[i]] == ref.token_ids, i
         assert results[i][-1]["details"]["finish_reason"] in ("length", "eos_token")
     s = wait_for_free_blocks("faults")
     assert s["kv_blocks_used"] == 0
     assert s["integrity"] == "ok"
     assert s["num_running"] == s["num_waiting"] == 0
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_client_whose_request_started_the_step_loop_leaving_fails_no_one_else(
+        apps, offline, mode):
+    """The step loop starts inside the first request's call. When that client leaves, Serve
+    cancels its call, and Ray cancels every call made in its context with it: the step loop
+    must not run in that context, or the shard steps in flight (running or queued) fail
+    every request in them. Here the first client leaves during a 2 s step admitting B."""
+    app = f"/owner-{mode}"
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as client:
+            async with client.stream("POST", BASE + app + "/generate_stream", json={
+                    "inputs": "kari tona", "parameters": {"max_new_tokens": 400}}) as first:
+                assert first.status_code == 200
+                lines = first.aiter_lines()  # held, so the stream stays open after the break
+                async for line in lines:
+                    if line.startswith("data:"):
+                        break  # the loop runs: send B, then leave while B's step runs
+                other = asyncio.ensure_future(client.post(BASE + app + "/generate", json={
+                    "inputs": "mole dasu sefi", "parameters": {"max_new_tokens": 8,
+                                                               "details": True}}))
+                await asyncio.sleep(1.0)
+            return await other
+
+    response = asyncio.run(main())
+    assert response.status_code == 200, response.text
+    expected = offline.generate(["mole dasu sefi"], SamplingParams(max_new_tokens=8))[0]
+    assert [t["id"] for t in response.json()["details"]["tokens"]] == expected.token_ids
+    s = wait_for_free_blocks(f"owner-{mode}")
+    assert s["kv_blocks_used"] == 0 and s["integrity"] == "ok" and s["healthy"]
+    assert s["aborted"] >= 1  # the first client's request, ended by its leaving
 
 
 def test_kv_exhaustion_preempts_and_everything_finishes_correctly(apps, offline):

@@ -4,6 +4,7 @@ autoscaling policy beside Serve's default, and the merged /metrics text."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import subprocess
 import sys
@@ -199,6 +200,31 @@ def test_pusher_outlives_a_hub_that_hangs_or_fails(monkeypatch):
     asyncio.run(main())
     assert calls[:3] == ["Batcher:x"] * 3
     assert received[:2] == [[1], [1, 2]]
+
+
+def test_pushes_are_not_calls_of_the_request_that_started_the_pusher():
+    """Started from whichever call comes first; its pushes must not carry that call's
+    context (under Ray: be that task's children, cancelled when its client leaves)."""
+    caller = contextvars.ContextVar("caller", default=None)
+    seen = []
+
+    class Hub:
+        class report:
+            @staticmethod
+            def remote(source, families):
+                seen.append(caller.get())
+                return asyncio.sleep(0)
+
+    async def main():
+        caller.set("the first request")
+        pusher = Pusher(Hub, "Batcher:x", lambda: [1])
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        pusher.stop()
+
+    asyncio.run(main())
+    assert seen and set(seen) == {None}
 
 
 def test_block_names_are_the_same_in_every_process(prompts):

@@ -4,6 +4,7 @@ leave a request waiting forever."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 
 import pytest
 
@@ -56,6 +57,35 @@ def test_streams_complete_with_the_workers_tokens():
     for i, (tokens, last) in enumerate(asyncio.run(main())):
         assert tokens == expected_tokens([11 + i, 12], 5 + i)
         assert last.finished and last.error is None
+
+
+CALLER = contextvars.ContextVar("caller", default=None)
+
+
+def test_steps_run_outside_the_context_of_the_request_that_started_the_loop():
+    """Under Ray a context names the calling task, and cancelling that task cancels the
+    calls made in it: the steps serve everyone, so they must not carry the first caller's."""
+    seen = []
+
+    async def main():
+        engine, worker = make()
+        run = await run_step_of(worker)
+
+        async def run_step(step_input):
+            seen.append(CALLER.get())
+            return await run(step_input)
+
+        ae = AsyncEngine(engine, run_step)
+
+        async def request(i):
+            CALLER.set(f"request {i}")
+            return await consume(ae, f"r{i}", [11 + i, 12], 4)
+
+        return await asyncio.gather(*(request(i) for i in range(3)))
+
+    assert [tokens for tokens, _ in asyncio.run(main())] == [
+        expected_tokens([11 + i, 12], 4) for i in range(3)]
+    assert seen and set(seen) == {None}
 
 
 def test_an_interrupted_loop_fails_its_requests_then_serves_new_ones():
