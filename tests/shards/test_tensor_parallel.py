@@ -67,14 +67,15 @@ def test_async_scheduling_equals_transformers(llama_dir, tokenizer, tp):
     samples into the next step, scheduled before the batcher knew them."""
     prompts = make_prompts(2048, PARITY_LENGTHS, seed=1)
     llm = GroupLLM(llama_dir, tp, tokenizer, compiled_graph=False, max_batch_prefill_tokens=64)
-    in_flight = {"now": 0, "max": 0}
+    submitted, most_in_flight = [], [0]
 
     def run_step(step_input):
-        future = llm.group.step_async(step_input)
-        in_flight["now"] += 1
-        in_flight["max"] = max(in_flight["max"], in_flight["now"])
-        future.add_done_callback(lambda _: in_flight.__setitem__("now", in_flight["now"] - 1))
-        return future
+        # Counted at submission over the futures not yet done: a done callback would run a
+        # loop turn after the engine may already have seen the future done and started the
+        # next step, and count one too many.
+        submitted.append(llm.group.step_async(step_input))
+        most_in_flight[0] = max(most_in_flight[0], sum(not f.done() for f in submitted))
+        return submitted[-1]
 
     async def main():
         engine = AsyncEngine(llm.engine, run_step, max_steps_in_flight=2)
@@ -90,7 +91,7 @@ def test_async_scheduling_equals_transformers(llama_dir, tokenizer, tp):
 
     try:
         outputs = asyncio.run(main())
-        assert in_flight["max"] == 2
+        assert most_in_flight[0] == 2
         assert llm.engine.scheduler.block_manager.num_used_blocks == 0
     finally:
         llm.group.shutdown()
