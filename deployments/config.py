@@ -49,6 +49,11 @@ class AppArgs(BaseModel):
     reserved_cpus: int = Field(
         0, ge=0, description="cores per node for the serving plane (ingress, batcher); the "
         "shards split the others, each rank pinned to its own slice")
+    borrow_reserved_cpus: bool = Field(
+        False, description="with reserved_cpus, a rank alone on its node runs steps of "
+        "more than one token on the reserved cores too (a thread each); one-token steps "
+        "keep to its own cores, so the serving plane has the rest while decoding one "
+        "sequence")
     compiled_graph: bool | None = None
     async_scheduling: bool = Field(
         False, description="schedule the next step while the current one runs; the shards "
@@ -82,6 +87,8 @@ class AppArgs(BaseModel):
         if (self.max_input_tokens and self.max_total_tokens
                 and self.max_input_tokens >= self.max_total_tokens):
             raise ValueError("max_input_tokens must be < max_total_tokens")
+        if self.borrow_reserved_cpus and (self.reserved_cpus < 1 or self.device == "cuda"):
+            raise ValueError("borrow_reserved_cpus needs reserved_cpus >= 1 and CPU shards")
         return self
 
     @property
@@ -115,7 +122,8 @@ class AppArgs(BaseModel):
             num_blocks=self.num_blocks, kv_cache_memory=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             attention_backend=self.attention_backend, cpu_threads=self.cpu_threads,
-            reserved_cpus=self.reserved_cpus, torch_compile=self.torch_compile,
+            reserved_cpus=self.reserved_cpus, borrow_reserved_cpus=self.borrow_reserved_cpus,
+            torch_compile=self.torch_compile,
             cpu_matmul=self.cpu_matmul,
             debug_prefill_delay_s=self.debug_prefill_delay_s)
 

@@ -41,6 +41,7 @@ class ShardActor:
         self.rank = rank
         self.world_size = world_size
         self.runner: ModelRunner | None = None
+        self.own_cores: list[int] | None = None  # set when bigger steps borrow reserved cores
 
     def node_id(self) -> str:
         import ray
@@ -51,8 +52,16 @@ class ShardActor:
         """Pin this rank to its slice of the node's cores (shards/cpu_plan.py), before any
         torch thread exists; the model runner then sizes torch's threads to the slice
         (Ray sets OMP_NUM_THREADS to the actor's num_cpus, 1 when 0: never used as is)."""
-        cores = cpu_plan.shard_cores(cpu_plan.available_cores(), self.config.reserved_cpus,
-                                     local_index, local_count)
+        available = cpu_plan.available_cores()
+        cores = cpu_plan.shard_cores(available, self.config.reserved_cpus, local_index,
+                                     local_count)
+        if self.config.borrow_reserved_cpus:
+            borrowed = cpu_plan.borrowed_cores(available, self.config.reserved_cpus, local_count)
+            if borrowed:
+                self.own_cores, cores = cores, sorted(set(cores) | set(borrowed))
+            else:
+                logger.warning("rank %d shares its node with %d ranks: it borrows no "
+                               "reserved cores", self.rank, local_count - 1)
         os.sched_setaffinity(0, cores)
         return cores
 
@@ -72,7 +81,8 @@ class ShardActor:
             dist.init_process_group(backend, init_method=f"tcp://{address}:{port}",
                                     rank=self.rank, world_size=self.world_size,
                                     timeout=COLLECTIVE_TIMEOUT)
-        self.runner = ModelRunner(self.config, TPContext(self.rank, self.world_size))
+        self.runner = ModelRunner(self.config, TPContext(self.rank, self.world_size),
+                                  own_cores=self.own_cores)
         return self.weight_bytes()
 
     def weight_bytes(self) -> int:

@@ -5,7 +5,10 @@ on one of their cores (Ray's daemons, the proxy, the ingress, the batcher) preem
 thread the whole forward then waits for. With `reserved_cpus` = k, the last k cores of
 the node are the serving plane's; the shards split the others, each rank on the node its
 own slice (threads = the slice's size unless `cpu_threads` says otherwise). With k = 0
-the shards still get disjoint slices, and nothing else is pinned."""
+the shards still get disjoint slices, and nothing else is pinned. A rank alone on its node
+may borrow the reserved cores for steps of more than one token (`borrow_reserved_cpus`):
+its one-token steps keep to its own cores, so decoding one sequence never shares a core
+with the serving plane, and prefill still has every core."""
 
 from __future__ import annotations
 
@@ -31,6 +34,12 @@ def shard_cores(cores: list[int], reserved: int, local_index: int, local_count: 
     per = max(1, len(shards) // max(1, local_count))
     start = (local_index * per) % len(shards)
     return shards[start : start + per]
+
+
+def borrowed_cores(cores: list[int], reserved: int, local_count: int) -> list[int]:
+    """The reserved cores a rank may borrow for its bigger steps: all of them when it is
+    the only rank on the node, none otherwise (ranks would contend for them)."""
+    return split(cores, reserved)[1] if local_count == 1 else []
 
 
 def pin_serving_plane(reserved: int) -> list[int]:

@@ -40,6 +40,9 @@ class ShardConfig:
     attention_backend: str = "auto"
     cpu_threads: int | None = None  # None: every core this process may use
     reserved_cpus: int = 0  # cores per node left to the serving plane (shards/cpu_plan.py)
+    # CPU, one rank per node: steps of more than one token also use the reserved cores
+    # (shards/cpu_plan.py); a one-token step keeps to the rank's own cores.
+    borrow_reserved_cpus: bool = False
     torch_compile: bool = False  # CPU, one rank: compile the dense parts (shards/compiled.py)
     cpu_matmul: str = "auto"  # onednn | torch; auto: oneDNN on CPU (float32/bfloat16) unless compiled
     # Testing only: each rank sleeps this long before a step that admits new requests, so
@@ -72,13 +75,21 @@ def resolve_dtype(name: str, device: torch.device, checkpoint: torch.dtype) -> t
 
 
 class ModelRunner:
-    def __init__(self, config: ShardConfig, tp: TPContext = TPContext()):
+    def __init__(self, config: ShardConfig, tp: TPContext = TPContext(),
+                 own_cores: list[int] | None = None):
+        """`own_cores`: the cores a one-token step keeps to when this rank borrows the
+        serving plane's for bigger steps (its affinity then spans both)."""
         self.config = config
         self.tp = tp
         self.device = resolve_device(config.device)
+        self._cores: dict[bool, tuple[list[int], int]] = {}  # one token? -> (cores, threads)
+        self._one_token: bool | None = None  # the kind of the last step (which cores it used)
         if self.device.type == "cpu":
-            threads = config.cpu_threads or len(os.sched_getaffinity(0))
+            every = sorted(os.sched_getaffinity(0))
+            threads = config.cpu_threads or len(every)
             torch.set_num_threads(threads)
+            if own_cores and set(own_cores) < set(every):
+                self._cores = {False: (every, threads), True: (own_cores, len(own_cores))}
         elif self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.model_config = ModelConfig.from_pretrained(config.model)
@@ -211,6 +222,8 @@ class ModelRunner:
         if not input_ids:
             return None
         dev = self.device
+        if self._cores:
+            self._use_cores(len(input_ids) == 1)
         positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
         meta = self._metadata(decodes, prefills, positions_t, len(input_ids), slots)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), positions_t,
@@ -225,6 +238,15 @@ class ModelRunner:
             self._keep_sampled([request_id for request_id, _, _ in samples],
                                output.token_ids if output is not None else None)
         return output
+
+    def _use_cores(self, one_token: bool) -> None:
+        """Move this thread (torch's first) and size torch's threads for the step; the
+        other threads keep the wide affinity they were created with and sleep when unused."""
+        if one_token != self._one_token:
+            cores, threads = self._cores[one_token]
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(threads)
+            self._one_token = one_token
 
     def _keep_sampled(self, request_ids: list[str], token_ids: list[int] | None) -> None:
         """Append this step's samples to the mirror: the next step's input comes from

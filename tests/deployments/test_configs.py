@@ -63,3 +63,11 @@ def test_cluster_configs_route_on_prefixes_and_scale_on_llm_load():
     policy = configs["configs/kuberay-rayservice.yaml"]["applications"][0]["deployments"][0][
         "autoscaling_config"]["policy"]
     assert AutoscalingPolicy(**policy).policy_function == POLICY_PATH
+
+
+@pytest.mark.parametrize("knobs", [{}, {"reserved_cpus": 1, "device": "cuda"}])
+def test_borrowing_reserved_cores_needs_reserved_cores_on_cpu(knobs):
+    with pytest.raises(ValueError, match="borrow_reserved_cpus needs reserved_cpus >= 1"):
+        AppArgs(model="m", borrow_reserved_cpus=True, **knobs)
+    assert AppArgs(model="m", borrow_reserved_cpus=True, reserved_cpus=1).shard_config() \
+        .borrow_reserved_cpus

@@ -37,9 +37,10 @@ class GroupLLM:
     """Just enough of shards.offline.LLM for run_staggered, over a ShardGroup."""
 
     def __init__(self, model_dir: str, tp: int, tokenizer, num_blocks: int = 256,
-                 prefill_delay_s: float = 0.0, compiled_graph: bool | None = None, **knobs):
+                 prefill_delay_s: float = 0.0, compiled_graph: bool | None = None,
+                 shard: dict | None = None, **knobs):
         config = ShardConfig(model=model_dir, num_blocks=num_blocks,
-                             debug_prefill_delay_s=prefill_delay_s)
+                             debug_prefill_delay_s=prefill_delay_s, **(shard or {}))
         self.group = ShardGroup(config, tp, num_cpus_per_shard=0.5, compiled_graph=compiled_graph)
         self.group.warmup(4096)
         mc = ModelConfig.from_pretrained(model_dir)
@@ -310,20 +311,22 @@ def test_constrained_output_at_tp2_equals_one_shard(llama_dir, tokenizer):
     assert [got[f"g{i}"] for i in range(len(prompts))] == expected
 
 
-@pytest.mark.parametrize(("tp", "reserved", "threads", "affinities"), [
-    (1, 0, None, [[0, 1]]),  # today's default: the whole node, two threads
-    (1, 1, None, [[0]]),  # one pinned thread, core 1 left to the serving plane
-    (2, 0, None, [[0], [1]]),  # each rank its own core
-    (1, 0, 1, [[0, 1]]),  # cpu_threads still wins over the slice's size
+@pytest.mark.parametrize(("tp", "reserved", "threads", "affinities", "borrow"), [
+    (1, 0, None, [[0, 1]], False),  # today's default: the whole node, two threads
+    (1, 1, None, [[0]], False),  # one pinned thread, core 1 left to the serving plane
+    (2, 0, None, [[0], [1]], False),  # each rank its own core
+    (1, 0, 1, [[0, 1]], False),  # cpu_threads still wins over the slice's size
+    (1, 1, None, [[0, 1]], True),  # borrowing: both cores until a one-token step (below)
+    (2, 1, None, [[0], [0]], True),  # two ranks on the node: nothing to borrow
 ])
 def test_core_plan_pins_each_rank_and_sizes_its_threads(llama_dir, tp, reserved, threads,
-                                                        affinities):
+                                                        affinities, borrow):
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) != 2:
         pytest.skip("written for this project's 2-core machines")
     affinities = [[cores[i] for i in a] for a in affinities]
     config = ShardConfig(model=llama_dir, num_blocks=64, reserved_cpus=reserved,
-                         cpu_threads=threads)
+                         cpu_threads=threads, borrow_reserved_cpus=borrow)
     group = ShardGroup(config, tp, num_cpus_per_shard=0.5)
     try:
         placements = ray.get([a.placement.remote() for a in group.actors])
@@ -331,3 +334,37 @@ def test_core_plan_pins_each_rank_and_sizes_its_threads(llama_dir, tp, reserved,
         group.shutdown()
     assert [p["cpu_affinity"] for p in placements] == affinities
     assert [p["torch_threads"] for p in placements] == [threads or len(a) for a in affinities]
+
+
+def test_borrowed_cores_run_big_steps_and_one_token_steps_keep_to_their_own(llama_dir,
+                                                                           tokenizer):
+    """reserved_cpus=1 with borrow_reserved_cpus: the rank's affinity spans both cores; a
+    step of several tokens runs two threads, a one-token step moves to core 0 with one
+    thread (read back from the actor after each kind of step); output still transformers'."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) != 2:
+        pytest.skip("written for this project's 2-core machines")
+    llm = GroupLLM(llama_dir, 1, tokenizer,
+                   shard={"reserved_cpus": 1, "borrow_reserved_cpus": True})
+    actor = llm.group.actors[0]
+
+    def after(prompt: list[int], n: int) -> tuple[list[int], dict]:
+        llm.engine.add_request("q", prompt, SamplingParams(max_new_tokens=n))
+        tokens = []
+        while llm.engine.has_unfinished_requests():
+            tokens += [t for out in llm.engine.step() for t in out.token_ids]
+        return tokens, ray.get(actor.placement.remote())
+
+    try:
+        prompt = make_prompts(2048, [40], seed=3)[0]
+        _, big = after(prompt, 1)  # one step: the prompt's 40 tokens
+        tokens, one = after(prompt[:-1] + [prompt[-1] % 100 + 5], 6)  # ends decoding one row
+        prompts = make_prompts(2048, PARITY_LENGTHS, seed=1)
+        outs, _ = run_staggered(llm, prompts, PARITY_NEW_TOKENS)
+    finally:
+        llm.group.shutdown()
+    assert (big["cpu_affinity"], big["torch_threads"]) == (cores, 2)
+    assert (one["cpu_affinity"], one["torch_threads"]) == ([cores[0]], 1)
+    assert tokens == hf_greedy(llama_dir, prompt[:-1] + [prompt[-1] % 100 + 5], 6)
+    assert outs == {f"r{i}": hf_greedy(llama_dir, p, n)
+                    for i, (p, n) in enumerate(zip(prompts, PARITY_NEW_TOKENS, strict=True))}
