@@ -60,8 +60,8 @@ class ShardActor:
             if borrowed:
                 self.own_cores, cores = cores, sorted(set(cores) | set(borrowed))
             else:
-                logger.warning("rank %d shares its node with %d ranks: it borrows no "
-                               "reserved cores", self.rank, local_count - 1)
+                logger.warning("rank %d borrows no reserved cores: %d ranks on its node, "
+                               "%d cores", self.rank, local_count, len(available))
         os.sched_setaffinity(0, cores)
         return cores
 
