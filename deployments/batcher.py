@@ -2,10 +2,12 @@
 
 The replica's placement group reserves bundle 0 for itself and one bundle per shard rank,
 so a replica and its GPUs are placed (and scaled) together. `generate` streams one
-RequestOutput per engine step per request (all the tokens that step made), and a
-cancelled stream (client gone) aborts the request, freeing its blocks before the next
-step. `check_health` fails when the engine loop or any shard is dead, so Serve replaces
-the replica and with it the shards."""
+RequestOutput per engine step per request (all the tokens that step made), in its own
+call or, when the ingress replica holds an output channel here (`outputs`), batched with
+its other requests' into one message per step; either way a cancelled call (client gone)
+aborts the request, freeing its blocks before the next step. `check_health` fails when
+the engine loop or any shard is dead, so Serve replaces the replica and with it the
+shards."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from transformers import AutoTokenizer
 from deployments.config import DEMO_MODEL, AppArgs, token_limits
 from deployments.metrics import BATCHER, Metrics
 from deployments.metrics_hub import Pusher, collect, replica_source
-from deployments.protocol import GenerateInput
+from deployments.protocol import ChannelOpened, GenerateInput, OpenChannel, Routed
 from deployments.routing import pack_hashes
 from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
@@ -33,6 +35,31 @@ from shards.model_config import ModelConfig
 
 logger = logging.getLogger("ray.serve")
 
+# An output channel with no request for this long ends (the ingress opens it again when
+# it needs it), so that an idle replica holds no call open: Serve could not scale it down
+# or stop it gracefully while one is.
+CHANNEL_IDLE_S = 5.0
+
+
+class Channel:
+    """Outputs owed to one ingress replica, sent together once per engine step."""
+
+    def __init__(self, channel_id: str):
+        self.id = channel_id
+        self.pending: list[RequestOutput] = []
+        self.ready = asyncio.Event()
+        self.idle_since = time.monotonic()
+        self.closed = False
+
+    def put(self, output: RequestOutput) -> None:
+        self.pending.append(output)
+        self.ready.set()
+
+    def take(self) -> list[RequestOutput]:
+        batch, self.pending = self.pending, []
+        self.ready.clear()
+        return batch
+
 
 class Batcher:
     def __init__(self, args: AppArgs, metrics_hub=None):
@@ -44,8 +71,12 @@ class Batcher:
         try:
             context = serve.get_replica_context()
             prefix = f"{context.app_name}-{context.replica_id.unique_id}-"
+            self.replica_id = context.replica_id.unique_id
         except Exception:  # not inside Serve (tests that build it directly)
-            prefix = None
+            prefix, self.replica_id = None, "local"
+        self.channels: dict[str, Channel] = {}
+        self.ingress_active: dict[str, int] = {}  # generations per ingress channel key
+        self.channel_counts = {"opened": 0, "messages": 0, "outputs": 0}
         self.group = ShardGroup(args.shard_config(), args.tensor_parallel_size,
                                 use_gpu=args.device == "cuda", num_cpus_per_shard=args.shard_cpus,
                                 name_prefix=prefix, compiled_graph=args.compiled_graph)
@@ -67,7 +98,35 @@ class Batcher:
         logger.info("batcher ready: tp=%d, %d KV blocks (max_batch_total_tokens=%d)",
                     args.tensor_parallel_size, num_blocks, self.engine.scheduler.max_batch_total_tokens)
 
-    async def generate(self, request: GenerateInput) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerateInput) -> AsyncIterator[RequestOutput | Routed]:
+        channel = self.channels.get(request.channel) if request.channel else None
+        if request.channel is not None:
+            yield Routed(self.replica_id, channel.id if channel is not None else None)
+            # Any generation of this ingress keeps its channel from closing idle: one
+            # that started before the channel opened (a long prefill) is still its load.
+            self.ingress_active[request.channel] = self.ingress_active.get(request.channel, 0) + 1
+        outputs = self._outputs(request)
+        try:
+            async for output in outputs:
+                if channel is None:
+                    yield output
+                elif channel.closed:  # the ingress let go of it: what it held is lost
+                    yield RequestOutput(request.request_id, finished=True,
+                                        finish_reason=FinishReason.ERROR,
+                                        error="the ingress's output channel closed")
+                    return
+                else:
+                    channel.put(output)
+        finally:
+            await outputs.aclose()  # aborts the request unless it finished
+            if request.channel is not None:
+                self.ingress_active[request.channel] -= 1
+                if not self.ingress_active[request.channel]:
+                    del self.ingress_active[request.channel]
+                if (current := self.channels.get(request.channel)) is not None:
+                    current.idle_since = time.monotonic()
+
+    async def _outputs(self, request: GenerateInput) -> AsyncIterator[RequestOutput]:
         stream = self.engine_loop.generate(request.request_id, request.prompt_token_ids,
                                            request.params)
         deadline = (time.monotonic() + self.args.request_timeout
@@ -89,6 +148,36 @@ class Batcher:
                     return
         finally:
             await stream.aclose()  # aborts the request unless it finished
+
+    async def outputs(self, request: OpenChannel) -> AsyncIterator[ChannelOpened | list[RequestOutput]]:
+        """An ingress replica's output channel: every output of its generations that
+        chose it, one list per engine step. Ends after CHANNEL_IDLE_S without any."""
+        if request.key in self.channels:
+            yield ChannelOpened(self.replica_id, accepted=False)
+            return
+        channel = self.channels[request.key] = Channel(request.channel_id)
+        self.channel_counts["opened"] += 1
+        try:
+            yield ChannelOpened(self.replica_id, accepted=True)
+            while True:
+                try:
+                    await asyncio.wait_for(channel.ready.wait(), CHANNEL_IDLE_S)
+                except asyncio.TimeoutError:
+                    if (not self.ingress_active.get(request.key) and not channel.pending
+                            and time.monotonic() - channel.idle_since >= CHANNEL_IDLE_S):
+                        return
+                    continue
+                await asyncio.sleep(0)  # the rest of this step's outputs join the batch
+                batch = channel.take()
+                self.channel_counts["messages"] += 1
+                self.channel_counts["outputs"] += len(batch)
+                self.metrics.inc("raygen_output_channel_messages")
+                self.metrics.inc("raygen_output_channel_outputs", len(batch))
+                yield batch
+        finally:  # no await before this: a generation never sends to a channel that left
+            channel.closed = True
+            if self.channels.get(request.key) is channel:
+                del self.channels[request.key]
 
     def _record_step(self, scheduled, seconds: float) -> None:
         m = self.metrics
@@ -192,6 +281,7 @@ class Batcher:
             "prefix_cache_hits": bm.prefix_hits,
             "preemptions": scheduler.stats.num_preemptions,
             "aborted": scheduler.stats.num_aborted,
+            "output_channels": {"open": len(self.channels), **self.channel_counts},
         }
 
     def __del__(self):

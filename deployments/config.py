@@ -60,6 +60,10 @@ class AppArgs(BaseModel):
         "feed their own samples in (engine/scheduler.py). Off: on 2 CPU cores it was "
         "+9% tok/s at concurrency 1 in throughput mode, neutral elsewhere, and admits new "
         "requests a step later (benchmarks/NOTES.md 15)")
+    output_channels: bool = Field(
+        True, description="a batcher replica sends each ingress replica one message per "
+        "step with all its requests' outputs, instead of one per request per step "
+        "(deployments/channels.py)")
     debug_prefill_delay_s: float = Field(
         0.0, ge=0, description="testing only: shards sleep this long before each step that "
                                "admits requests (long steps without long prompts)")

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from deployments.channels import OutputChannels
 from deployments.protocol import GenerateInput
 from engine.outputs import RequestOutput
 from engine.request import FinishReason
@@ -103,9 +104,11 @@ def reseeded(params: SamplingParams) -> SamplingParams:
 
 
 async def stream(batcher, generation: Generation) -> AsyncIterator[RequestOutput]:
-    """Relay the batcher's outputs, adding each to `generation` (which raises on error)."""
-    responses = batcher.generate.remote(
-        GenerateInput(generation.request_id, generation.prompt_token_ids, generation.params))
+    """Relay the batcher's outputs, adding each to `generation` (which raises on error).
+    `batcher` is a streaming handle or this ingress's OutputChannels."""
+    request = GenerateInput(generation.request_id, generation.prompt_token_ids, generation.params)
+    via_channels = isinstance(batcher, OutputChannels)
+    responses = batcher.generate(request) if via_channels else batcher.generate.remote(request)
     finished = False
     try:
         try:
@@ -122,7 +125,9 @@ async def stream(batcher, generation: Generation) -> AsyncIterator[RequestOutput
                                      f"{str(exc)[:300]}") from exc
         raise GenerationError("the batcher closed the stream early")
     finally:
-        if not finished:
+        if via_channels:
+            await responses.aclose()  # cancels the call unless it ended
+        elif not finished:
             responses.cancel()
 
 

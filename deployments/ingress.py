@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 
 from deployments import openai_schema, tgi
 from deployments.admission import Admission
+from deployments.channels import OutputChannels
 from deployments.config import DEMO_MODEL, AppArgs, server_limits
 from deployments.grammar import GrammarChecker
 from deployments.metrics import INGRESS, Metrics
@@ -72,6 +73,8 @@ class Ingress:
         self.admission = Admission(self.metrics, args.max_concurrent_requests,
                                    args.payload_limit, args.resolved_api_key)
         streaming = batcher.options(stream=True)
+        if args.output_channels:  # one message per step per batcher replica (channels.py)
+            streaming = OutputChannels(streaming)
         self.tgi = TGIApi(self.admission, grammars, streaming, tokenizer, self.limits, args.device)
         self.openai = OpenAIApi(self.admission, grammars, streaming, tokenizer, self.limits,
                                 args.max_n, args.model_name)

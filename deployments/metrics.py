@@ -57,6 +57,10 @@ BATCHER = {
     "raygen_prefix_cache_hits": Spec("counter", "Prompt tokens served from the prefix cache"),
     "raygen_preemptions": Spec("counter", "Requests preempted for KV space (recomputed later)"),
     "raygen_aborted_requests": Spec("counter", "Requests aborted (client gone, deadline)"),
+    # Output channels (deployments/channels.py): outputs per message is the batching.
+    "raygen_output_channel_messages": Spec("counter", "Messages sent to ingress replicas "
+                                           "through output channels (one per step each)"),
+    "raygen_output_channel_outputs": Spec("counter", "Generation outputs those messages carried"),
     # What the LLM-load autoscaling policy reads (deployments/autoscaling.py).
     "raygen_queued_prompt_tokens": Spec("gauge", "Prompt tokens waiting to be prefilled"),
     "raygen_oldest_wait_seconds": Spec("gauge", "Age of the oldest waiting request (s)"),

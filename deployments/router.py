@@ -24,7 +24,7 @@ from ray.serve.request_router import (
 )
 
 from deployments import routing
-from deployments.protocol import GenerateInput
+from deployments.protocol import GenerateInput, OpenChannel
 
 logger = logging.getLogger("ray.serve")
 
@@ -42,6 +42,11 @@ class PrefixCacheRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
+        target = _channel_target(pending_request)
+        if target is not None:  # an output channel goes to the replica it was asked for
+            chosen = [r for r in candidate_replicas if r.replica_id.unique_id == target]
+            if chosen:
+                return [chosen]
         fallback = await PowerOfTwoChoicesRequestRouter.choose_replicas(
             self, candidate_replicas, pending_request)
         request = _generate_input(pending_request)
@@ -100,6 +105,13 @@ class PrefixCacheRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def _count(self, decision: str) -> None:
         self.decisions[decision] += 1
         routing.record_decision(decision)
+
+
+def _channel_target(pending_request: PendingRequest | None) -> str | None:
+    if pending_request is None or not pending_request.args:
+        return None
+    arg = pending_request.args[0]
+    return arg.replica_id if isinstance(arg, OpenChannel) else None
 
 
 def _generate_input(pending_request: PendingRequest | None) -> GenerateInput | None:

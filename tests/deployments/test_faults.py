@@ -29,8 +29,9 @@ def apps(llama_dir):
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(AppArgs(model=llama_dir, max_concurrent_requests=512, num_blocks=1024,
                                 max_total_tokens=512)), name="faults", route_prefix="/")
-    serve.run(build_app(AppArgs(model=llama_dir, num_blocks=32, max_total_tokens=128)),
-              name="kv", route_prefix="/kv")
+    # Outputs in each generation's own call here (elsewhere through output channels).
+    serve.run(build_app(AppArgs(model=llama_dir, num_blocks=32, max_total_tokens=128,
+                                output_channels=False)), name="kv", route_prefix="/kv")
     serve.run(build_app(AppArgs(model=llama_dir, request_timeout=1.0, num_blocks=512)),
               name="slow", route_prefix="/slow")
     for mode in ("sync", "async"):  # an app per step pipeline depth, slow admitting steps
@@ -132,6 +133,59 @@ def test_the_client_whose_request_started_the_step_loop_leaving_fails_no_one_els
     s = wait_for_free_blocks(f"owner-{mode}")
     assert s["kv_blocks_used"] == 0 and s["integrity"] == "ok" and s["healthy"]
     assert s["aborted"] >= 1  # the first client's request, ended by its leaving
+    # B's outputs came through the output channel that the first client's request opened:
+    # that channel too outlives the request whose call happened to open it.
+    assert s["output_channels"]["outputs"] >= 8, s["output_channels"]
+
+
+def generate_all(prompts: list[str], max_new_tokens: int) -> list[list[int]]:
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            responses = await asyncio.gather(*[client.post(BASE + "/generate", json={
+                "inputs": p, "parameters": {"max_new_tokens": max_new_tokens, "details": True}})
+                for p in prompts])
+        for r in responses:
+            assert r.status_code == 200, r.text
+        return [[t["id"] for t in r.json()["details"]["tokens"]] for r in responses]
+
+    return asyncio.run(main())
+
+
+def wait_for_channels(app: str, condition, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while not condition(channels := stats(app)["output_channels"]):
+        assert time.monotonic() < deadline, channels
+        time.sleep(0.1)
+    return channels
+
+
+def test_a_steps_outputs_cross_to_the_ingress_in_one_message(apps, offline):
+    """With a channel open, every output of a generation goes through it, and one
+    message carries a step's outputs for all of the ingress's generations."""
+    assert generate_all(["tona kari"], 4)  # a generation on the replica asks for the channel
+    before = wait_for_channels("faults", lambda c: c["open"] == 1, 10)
+    prompts = [f"sefi kari {i} mole" for i in range(16)]
+    got = generate_all(prompts, 16)
+    after = stats("faults")["output_channels"]
+    expected = offline.generate(prompts, SamplingParams(max_new_tokens=16))
+    assert got == [e.token_ids for e in expected]
+    outputs = after["outputs"] - before["outputs"]
+    messages = after["messages"] - before["messages"]
+    assert outputs == sum(len(ids) for ids in got)  # a token a step each: all came this way
+    assert messages * 4 <= outputs, (messages, outputs)  # 16 at once: many per message
+
+
+def test_an_idle_channel_ends_and_the_next_generation_opens_it_again(apps, offline):
+    from deployments.batcher import CHANNEL_IDLE_S
+
+    idle = wait_for_channels("faults", lambda c: c["open"] == 0, CHANNEL_IDLE_S + 30)
+    assert generate_all(["dasu tona"], 4)  # in its own call; asks for a channel again
+    reopened = wait_for_channels("faults", lambda c: c["open"] == 1, 10)
+    assert reopened["opened"] == idle["opened"] + 1
+    got = generate_all(["mole sefi dasu"], 12)
+    expected = offline.generate(["mole sefi dasu"], SamplingParams(max_new_tokens=12))[0]
+    assert got == [expected.token_ids]
+    assert stats("faults")["output_channels"]["outputs"] - reopened["outputs"] == len(got[0])
 
 
 def test_kv_exhaustion_preempts_and_everything_finishes_correctly(apps, offline):

@@ -74,6 +74,12 @@ def test_both_replicas_serve_and_the_router_reports(sessions):
     per_replica = requests_per_replica(metrics)
     assert len(per_replica) == 2 and all(v > 0 for v in per_replica.values()), per_replica
     assert decisions(metrics).get("prefix", 0) > 0, decisions(metrics)
+    # The ingress got each replica's outputs through a channel to that replica.
+    for name in ("messages", "outputs"):
+        found = dict(re.findall(rf'^raygen_output_channel_{name}_total\{{replica="([^"]+)"\}} (\S+)$',
+                                metrics, re.M))
+        assert found.keys() == per_replica.keys(), (name, found)
+        assert all(float(v) > 0 for v in found.values()), (name, found)
 
 
 def test_the_router_changes_where_never_what(sessions, llama_dir):
