@@ -48,7 +48,7 @@ class OutputChannels:
         self.carried: dict[str, set[str]] = {}
         self.replicas: dict[str, str] = {}  # batcher replica id -> channel id (open ones)
         self.opening: set[str] = set()  # replica ids asked for and not yet answered
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Task] = set()  # held: the loop keeps only weak references
         self.refused = 0  # channels a replica refused (it had one with this key)
 
     # -- generations -----------------------------------------------------------------
@@ -167,7 +167,3 @@ class OutputChannels:
                     queue.put_nowait(ChannelError(
                         f"the output channel from batcher replica {reached} ended ({why})"))
             call.cancel()
-
-    def close(self) -> None:
-        for task in list(self.tasks):
-            task.cancel()

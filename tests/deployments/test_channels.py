@@ -233,6 +233,14 @@ def test_a_refused_channel_is_counted_and_asked_for_again_later():
         await settle()
         assert channels.refused == 1 and channels.replicas == {} and not channels.opening
         assert opened.channel_id not in channels.carried
+        task = asyncio.ensure_future(collect(channels, 1))  # B again, still in its call
+        await settle()
+        call = batcher.generations[-1][1]
+        call.items.put_nowait(Routed("B", None))
+        call.items.put_nowait(out("r1", 2, finished=True))
+        assert await task == [2]
+        await settle()
+        assert len(batcher.channels) == 2 and batcher.channels[-1][0].replica_id == "B"
 
     asyncio.run(main())
 
