@@ -170,7 +170,8 @@ def start(server: Server, log_path: Path, timeout_s: float = 600) -> subprocess.
         time.sleep(1)
     log = open(log_path, "wb")
     proc = subprocess.Popen(server.command, cwd=ROOT, env={**os.environ, **server.env},
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=load.default_sigint)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -17,12 +17,21 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import statistics
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import httpx
+
+
+def default_sigint() -> None:
+    """`preexec_fn` for a server that is stopped with Ctrl-C (SIGINT) as a user would: a
+    shell that starts jobs in the background without job control starts them with SIGINT
+    ignored, Python then installs no KeyboardInterrupt handler, and `serve run` would
+    sleep through the stop until it is killed (leaving Serve's HAProxy behind)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @dataclass

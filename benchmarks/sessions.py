@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.serve import StreamError, sse_events
+from benchmarks.serve import StreamError, default_sigint, sse_events
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
     log = open(Path(tempfile.gettempdir()) / "raygen-sessions-serve.log", "wb")
     proc = subprocess.Popen([serve_bin, "run", serve_config(args.model, args.port, apps)],
                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=default_sigint)
     results = {}
     try:
         wait_healthy(base, apps, proc, timeout=600)

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.serve import default_sigint
+
 BASE = "http://127.0.0.1:8000"
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +40,8 @@ def serve_run(args: list[str], log: Path, env: dict[str, str] | None = None,
     with open(log, "wb") as out:
         proc = subprocess.Popen([str(serve_bin), "run", target, *args],
                                 cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=default_sigint)
     try:
         deadline = time.monotonic() + start_timeout
         pending = list(health_paths)
