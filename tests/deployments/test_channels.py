@@ -80,13 +80,20 @@ async def settle():
         await asyncio.sleep(0)
 
 
+async def start(batcher: Batcher, channels: OutputChannels, i: int,
+                routed: Routed) -> tuple[asyncio.Future, Call]:
+    """Start generation r{i}; its call answers `routed` first."""
+    task = asyncio.ensure_future(collect(channels, i))
+    await settle()
+    _, call = batcher.generations[-1]
+    call.items.put_nowait(routed)
+    return task, call
+
+
 async def open_channel(batcher: Batcher, channels: OutputChannels) -> tuple[str, Call]:
     """Serve one generation in-band on replica A, which makes the ingress ask A for a
     channel; A accepts it."""
-    task = asyncio.ensure_future(collect(channels, 0))
-    await settle()
-    _, call = batcher.generations[-1]
-    call.items.put_nowait(Routed("A", None))
+    task, call = await start(batcher, channels, 0, Routed("A", None))
     call.items.put_nowait(out("r0", 7, finished=True))
     assert await task == [7]
     await settle()
@@ -128,10 +135,7 @@ def test_a_channel_that_fails_fails_the_generations_it_carried():
         batcher = Batcher()
         channels = OutputChannels(batcher)
         channel_id, channel = await open_channel(batcher, channels)
-        task = asyncio.ensure_future(collect(channels, 1))
-        await settle()
-        _, call = batcher.generations[-1]
-        call.items.put_nowait(Routed("A", channel_id))
+        task, call = await start(batcher, channels, 1, Routed("A", channel_id))
         channel.items.put_nowait([out("r1", 10)])
         await settle()
         channel.items.put_nowait(RuntimeError("replica A died"))
@@ -139,9 +143,7 @@ def test_a_channel_that_fails_fails_the_generations_it_carried():
             await asyncio.wait_for(task, 5)
         assert call.cancelled  # the generation's call is cancelled: A aborts it
         assert channels.replicas == {}  # the next generation on A asks again
-        task = asyncio.ensure_future(collect(channels, 2))
-        await settle()
-        batcher.generations[-1][1].items.put_nowait(Routed("A", channel_id))
+        task, _ = await start(batcher, channels, 2, Routed("A", channel_id))
         with pytest.raises(ChannelError, match="already ended"):
             await asyncio.wait_for(task, 5)
 
@@ -155,10 +157,7 @@ def test_a_call_that_ends_without_the_last_output_fails_after_the_grace(monkeypa
         batcher = Batcher()
         channels = OutputChannels(batcher)
         channel_id, channel = await open_channel(batcher, channels)
-        task = asyncio.ensure_future(collect(channels, 1))
-        await settle()
-        _, call = batcher.generations[-1]
-        call.items.put_nowait(Routed("A", channel_id))
+        task, call = await start(batcher, channels, 1, Routed("A", channel_id))
         call.items.put_nowait(None)  # ended, and the channel never brings the last output
         with pytest.raises(ChannelError, match="never came"):
             await asyncio.wait_for(task, 5)
@@ -171,10 +170,7 @@ def test_an_error_in_the_call_ends_the_generation_and_a_client_leaving_cancels_i
         batcher = Batcher()
         channels = OutputChannels(batcher)
         channel_id, channel = await open_channel(batcher, channels)
-        task = asyncio.ensure_future(collect(channels, 1))
-        await settle()
-        _, call = batcher.generations[-1]
-        call.items.put_nowait(Routed("A", channel_id))
+        task, call = await start(batcher, channels, 1, Routed("A", channel_id))
         # The batcher found the channel closed under the generation: it says so in the call.
         call.items.put_nowait(RequestOutput("r1", finished=True, finish_reason=FinishReason.ERROR,
                                             error="the ingress's output channel closed"))
@@ -207,10 +203,7 @@ def test_an_idle_channel_ends_and_the_next_generation_asks_again():
         assert len(batcher.channels) == 2 and batcher.channels[-1][0].replica_id == "A"
 
     async def collect_in_band(batcher, channels, i):
-        task = asyncio.ensure_future(collect(channels, i))
-        await settle()
-        _, call = batcher.generations[-1]
-        call.items.put_nowait(Routed("A", None))
+        task, call = await start(batcher, channels, i, Routed("A", None))
         call.items.put_nowait(out(f"r{i}", 3, finished=True))
         return await task
 
@@ -221,10 +214,7 @@ def test_a_refused_channel_is_counted_and_asked_for_again_later():
     async def main():
         batcher = Batcher()
         channels = OutputChannels(batcher)
-        task = asyncio.ensure_future(collect(channels, 0))
-        await settle()
-        call = batcher.generations[-1][1]
-        call.items.put_nowait(Routed("B", None))
+        task, call = await start(batcher, channels, 0, Routed("B", None))
         call.items.put_nowait(out("r0", 1, finished=True))
         await task
         await settle()
@@ -233,10 +223,7 @@ def test_a_refused_channel_is_counted_and_asked_for_again_later():
         await settle()
         assert channels.refused == 1 and channels.replicas == {} and not channels.opening
         assert opened.channel_id not in channels.carried
-        task = asyncio.ensure_future(collect(channels, 1))  # B again, still in its call
-        await settle()
-        call = batcher.generations[-1][1]
-        call.items.put_nowait(Routed("B", None))
+        task, call = await start(batcher, channels, 1, Routed("B", None))  # B again, still in its call
         call.items.put_nowait(out("r1", 2, finished=True))
         assert await task == [2]
         await settle()
