@@ -16,12 +16,13 @@ export TOKENIZERS_PARALLELISM := false
 install: $(STAMP)
 
 # torch is pinned first: an unpinned torch pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml shards/csrc/paged_attention.cpp
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]' torch==2.13.0
+	$(PY) -m shards.cpu_kernels
 	touch $(STAMP)
 
 $(DEMO_MODEL)/config.json: | $(STAMP)

@@ -38,7 +38,7 @@ class AppArgs(BaseModel):
     num_blocks: int | None = Field(None, ge=1)
     kv_cache_memory: int = Field(1 << 30, ge=1 << 20, description="bytes of KV cache (CPU)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    attention_backend: Literal["auto", "torch", "flash"] = "auto"
+    attention_backend: Literal["auto", "torch", "flash", "cpu"] = "auto"
     cpu_threads: int | None = Field(None, ge=1)
     torch_compile: bool = Field(
         False, description="CPU, tensor_parallel_size 1: torch.compile the layers' dense "

@@ -96,6 +96,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
         self.backend = select_backend(config.attention_backend, self.device, self.dtype,
                                       config.block_size)
+        logger.info("attention backend: %s", self.backend.name)
         with torch.device(self.device):
             self.model = CausalLM(self.model_config, tp, self.backend, self.dtype)
         load_weights(self.model, config.model)

@@ -1,7 +1,10 @@
 """Attention backends agree. The flash backend needs CUDA and a flash kernel; the torch
-backend is checked on CPU against dense attention computed from scratch."""
+backend is checked on CPU against dense attention computed from scratch, and raygen's CPU
+decode kernel against the torch backend."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
@@ -21,6 +24,10 @@ def dense_reference(q, k, v, scale):
 
 
 def test_torch_backend_mixed_batch_matches_dense():
+    check_mixed_batch(TorchAttentionBackend())
+
+
+def check_mixed_batch(backend):
     torch.manual_seed(0)
     H, KVH, D, BS, NB = 4, 2, 16, 4, 32
     k_cache, v_cache = torch.zeros(NB, BS, KVH, D), torch.zeros(NB, BS, KVH, D)
@@ -51,16 +58,12 @@ def test_torch_backend_mixed_batch_matches_dense():
         prefills=[PrefillSeq(1, 7, 7, torch.tensor(blocks["B"])),
                   PrefillSeq(7, 12, 0, torch.tensor(blocks["C"]))],
     )
-    out = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, D**-0.5)
+    out = backend.forward(q, k, v, k_cache, v_cache, meta, D**-0.5)
     row = 0
     for s, a, b in parts:
         ref = dense_reference(*full[s], D**-0.5)[a:b]
         assert torch.allclose(out[row : row + b - a], ref, atol=1e-5), s
         row += b - a
-
-
-def test_auto_backend_falls_back_to_torch_without_cuda():
-    assert select_backend("auto", torch.device("cpu"), torch.float32).name == "torch"
 
 
 @pytest.mark.gpu
@@ -87,3 +90,87 @@ def test_flash_backend_matches_torch_backend_on_cuda(llama_dir):
         agree = sum(x == y for x, y in zip(a.token_ids, b.token_ids, strict=True))
         assert agree >= len(a.token_ids) - 2  # fp16 near-ties may flip late tokens
         assert F.pairwise_distance(torch.tensor(a.logprobs[:4]), torch.tensor(b.logprobs[:4])) < 0.05
+
+
+# -- raygen's CPU decode kernel (shards/csrc/paged_attention.cpp) -----------------------
+@pytest.fixture(scope="module")
+def cpu_kernel():
+    from shards import cpu_kernels
+
+    kernel = cpu_kernels.load()
+    if kernel is None:
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail(f"a compiler is here but the kernel did not build: {cpu_kernels.load_error()}")
+        pytest.skip(f"no C++ compiler: {cpu_kernels.load_error()}")
+    return kernel
+
+
+def _scattered_decode_batch(lens, num_heads, num_kv_heads, head_dim, block_size, index_dtype,
+                            seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-n // block_size) for n in lens]
+    num_blocks = sum(needed) + 7
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(lens), max(needed), dtype=index_dtype)  # padded with block 0
+    used = 0
+    for i, n in enumerate(needed):
+        tables[i, :n] = order[used : used + n]
+        used += n
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=len(lens),
+                             decode_block_tables=tables,
+                             decode_seq_lens=torch.tensor(lens, dtype=index_dtype), prefills=[])
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    return q, k_cache, v_cache, meta
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,index_dtype", [
+    (12, 4, 64, torch.long),  # demo-small, tables as the runner makes them
+    (8, 8, 128, torch.int32),  # no GQA, the other specialised head size
+    (6, 2, 40, torch.long),  # a head size read at run time
+])
+def test_cpu_kernel_decode_equals_the_torch_path(cpu_kernel, num_heads, num_kv_heads, head_dim,
+                                                 index_dtype):
+    # Lengths: one token, exact multiples of the block, one past, and long staggered ones,
+    # so that every row but the longest is padded on the torch path.
+    lens = [1, 16, 17, 31, 160, 283, 2, 64, 95]
+    q, k_cache, v_cache, meta = _scattered_decode_batch(lens, num_heads, num_kv_heads, head_dim,
+                                                        16, index_dtype)
+    scale = head_dim**-0.5
+    ref = TorchAttentionBackend._decode(q, k_cache, v_cache, meta, scale, num_heads)
+    out = cpu_kernel.paged_decode(q, k_cache, v_cache, meta.decode_block_tables,
+                                  meta.decode_seq_lens, scale)
+    assert out.shape == ref.shape
+    assert torch.allclose(out, ref, atol=2e-6, rtol=1e-5), (out - ref).abs().max()
+
+
+def test_cpu_kernel_refuses_tables_it_would_read_past(cpu_kernel):
+    q, k_cache, v_cache, meta = _scattered_decode_batch([20, 40], 4, 2, 16, 16, torch.long)
+    tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        cpu_kernel.paged_decode(q, k_cache, v_cache, tables, lens + 16, 0.25)
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        cpu_kernel.paged_decode(q, k_cache, v_cache, tables, lens * 0, 0.25)
+    bad = tables.clone()
+    bad[0, 0] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_kernel.paged_decode(q, k_cache, v_cache, bad, lens, 0.25)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernel.paged_decode(q.double(), k_cache, v_cache, tables, lens, 0.25)
+
+
+def test_cpu_backend_mixed_batch_matches_dense(cpu_kernel):
+    """The whole backend (decode through the kernel, prefill chunks through torch) on the
+    mixed batch of the torch backend's test."""
+    from shards.attention import CpuPagedAttentionBackend
+
+    check_mixed_batch(CpuPagedAttentionBackend(cpu_kernel))
+
+
+def test_auto_backend_on_cpu(cpu_kernel):
+    assert select_backend("auto", torch.device("cpu"), torch.float32).name == "cpu"
+    assert select_backend("auto", torch.device("cpu"), torch.bfloat16).name == "torch"
+    assert select_backend("torch", torch.device("cpu"), torch.float32).name == "torch"
+    with pytest.raises(ValueError, match="float32 on CPU"):
+        select_backend("cpu", torch.device("cpu"), torch.bfloat16)

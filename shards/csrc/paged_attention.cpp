@@ -1,0 +1,139 @@
+// Decode attention on CPU, read straight from the paged KV cache.
+//
+// One query token per sequence. Each (sequence, kv head) is one task: its G = H / KVH
+// query heads are scored against the sequence's tokens block by block through the block
+// table, softmaxed, and V is summed the same way. Nothing is gathered or padded: K and V
+// are read once, in place. The torch backend (shards/attention.py) computes the same
+// thing with a gather and SDPA; this replaces only its decode part.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// D is the head size: a compile-time constant lets the compiler keep a row in registers
+// and vectorize the dot products fully (0 = any size, read at run time). A task is one
+// (sequence, kv head); the tasks of one sequence run back to back on one thread, so its
+// blocks are read from memory once and from cache after (reading whole token rows for all
+// heads at once measured slower on long contexts).
+template <int64_t D, typename index_t>
+void decode_kernel(const float* __restrict__ q, const float* __restrict__ k_cache,
+                   const float* __restrict__ v_cache, const index_t* __restrict__ tables,
+                   const index_t* __restrict__ seq_lens, float* __restrict__ out,
+                   int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t dyn_head_dim,
+                   int64_t block_size, int64_t max_blocks, float scale) {
+  const int64_t head_dim = D ? D : dyn_head_dim;
+  const int64_t groups = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * head_dim;  // between slots of one block
+  const int64_t block_stride = block_size * token_stride;
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc(groups * head_dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t len = static_cast<int64_t>(seq_lens[b]);
+      const int64_t num_blocks = (len + block_size - 1) / block_size;
+      const index_t* table = tables + b * max_blocks;
+      const float* qb = q + (b * num_heads + h * groups) * head_dim;
+      scores.resize(groups * len);
+      // Scores, block by block: scores[g][t] = q_g . k_t * scale.
+      for (int64_t blk = 0; blk < num_blocks; ++blk) {
+        const float* kb = k_cache + static_cast<int64_t>(table[blk]) * block_stride + h * head_dim;
+        const int64_t first = blk * block_size, n = std::min(block_size, len - first);
+        for (int64_t s = 0; s < n; ++s) {
+          const float* k = kb + s * token_stride;
+          for (int64_t g = 0; g < groups; ++g) {
+            const float* qg = qb + g * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
+            scores[g * len + first + s] = dot * scale;
+          }
+        }
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        // Softmax of this query head's scores (the 1 / sum is applied at the end).
+        float* sc = scores.data() + g * len;
+        float max = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) max = std::max(max, sc[t]);
+        float sum = 0.f;
+        for (int64_t t = 0; t < len; ++t) {
+          sc[t] = std::exp(sc[t] - max);
+          sum += sc[t];
+        }
+        // Weighted sum of V, block by block.
+        float* a = acc.data() + g * head_dim;
+        std::fill(a, a + head_dim, 0.f);
+        for (int64_t blk = 0; blk < num_blocks; ++blk) {
+          const float* vb = v_cache + static_cast<int64_t>(table[blk]) * block_stride + h * head_dim;
+          const int64_t first = blk * block_size, n = std::min(block_size, len - first);
+          for (int64_t s = 0; s < n; ++s) {
+            const float* v = vb + s * token_stride;
+            const float p = sc[first + s];
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+          }
+        }
+        float* o = out + (b * num_heads + h * groups + g) * head_dim;
+        const float inv = 1.f / sum;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = a[d] * inv;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_tables:
+// [B, max_blocks]; seq_lens: [B] (tokens in the cache, the new one included).
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode runs on CPU");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
+                  v_cache.scalar_type() == torch::kFloat,
+              "paged_decode takes float32");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "paged_decode: q [B, H, D], caches [blocks, block_size, KVH, D]");
+  TORCH_CHECK(block_tables.scalar_type() == seq_lens.scalar_type(),
+              "block_tables and seq_lens must share a dtype");
+  q = q.contiguous();
+  k_cache = k_cache.contiguous();
+  v_cache = v_cache.contiguous();
+  block_tables = block_tables.contiguous();
+  seq_lens = seq_lens.contiguous();
+  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == head_dim && num_heads % num_kv_heads == 0,
+              "paged_decode: head shapes do not match");
+  TORCH_CHECK(block_tables.size(0) == batch && seq_lens.size(0) == batch,
+              "paged_decode: one table row and one length per sequence");
+  auto out = torch::empty_like(q);
+  if (batch == 0) return out;
+  const int64_t max_blocks = block_tables.size(1);
+  // Reads go through these: check them once rather than trust them per token.
+  TORCH_CHECK(seq_lens.min().item<int64_t>() > 0 &&
+                  seq_lens.max().item<int64_t>() <= max_blocks * block_size,
+              "paged_decode: a sequence length is outside its block table");
+  TORCH_CHECK(block_tables.min().item<int64_t>() >= 0 &&
+                  block_tables.max().item<int64_t>() < k_cache.size(0),
+              "paged_decode: a block id is outside the cache");
+  AT_DISPATCH_INDEX_TYPES(block_tables.scalar_type(), "paged_decode", [&] {
+    auto run = [&](auto kernel) {
+      kernel(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+             block_tables.data_ptr<index_t>(), seq_lens.data_ptr<index_t>(),
+             out.data_ptr<float>(), batch, num_heads, num_kv_heads, head_dim, block_size,
+             max_blocks, static_cast<float>(scale));
+    };
+    if (head_dim == 64) run(decode_kernel<64, index_t>);
+    else if (head_dim == 128) run(decode_kernel<128, index_t>);
+    else run(decode_kernel<0, index_t>);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache (CPU, fp32)");
+}
