@@ -97,7 +97,8 @@ def load():
                                      extra_ldflags=["-fopenmp"], build_directory=str(directory))
             logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - t0, directory)
         except Exception as exc:  # no compiler, no ninja, a build error: use the torch path
-            _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}"
+            last_line = (str(exc).strip().splitlines() or [""])[-1]  # compilers say a lot
+            _error = f"{type(exc).__name__}: {last_line[:300]}"
             logger.warning("CPU attention kernel unavailable, using the torch path: %s", _error)
         return _module
 

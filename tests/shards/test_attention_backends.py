@@ -174,3 +174,20 @@ def test_auto_backend_on_cpu(cpu_kernel):
     assert select_backend("torch", torch.device("cpu"), torch.float32).name == "torch"
     with pytest.raises(ValueError, match="float32 on CPU"):
         select_backend("cpu", torch.device("cpu"), torch.bfloat16)
+
+
+def test_a_kernel_that_does_not_build_leaves_the_torch_path(tmp_path, monkeypatch):
+    """No compiler, or a build error: `auto` falls back to torch, `cpu` says why."""
+    from shards import cpu_kernels
+
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
+    monkeypatch.setattr(cpu_kernels, "_module", None)
+    monkeypatch.setattr(cpu_kernels, "_error", None)
+    monkeypatch.setenv("RAYGEN_KERNEL_CACHE", str(tmp_path / "cache"))
+    assert cpu_kernels.load() is None
+    assert cpu_kernels.load_error()
+    assert select_backend("auto", torch.device("cpu"), torch.float32).name == "torch"
+    with pytest.raises(ImportError, match="did not build"):
+        select_backend("cpu", torch.device("cpu"), torch.float32)
