@@ -132,9 +132,10 @@ def _scattered_decode_batch(lens, num_heads, num_kv_heads, head_dim, block_size,
 ])
 def test_cpu_kernel_decode_equals_the_torch_path(cpu_kernel, num_heads, num_kv_heads, head_dim,
                                                  index_dtype):
-    # Lengths: one token, exact multiples of the block, one past, and long staggered ones,
-    # so that every row but the longest is padded on the torch path.
-    lens = [1, 16, 17, 31, 160, 283, 2, 64, 95]
+    # Lengths: one token, exact multiples of the block, one past, staggered ones (every row
+    # but the longest is padded on the torch path), and the longest prompt the default
+    # limits allow (2047) plus its first sampled token.
+    lens = [1, 16, 17, 31, 160, 283, 2, 64, 95, 2048]
     q, k_cache, v_cache, meta = _scattered_decode_batch(lens, num_heads, num_kv_heads, head_dim,
                                                         16, index_dtype)
     scale = head_dim**-0.5
