@@ -5,8 +5,8 @@
 The decode attention kernel reads K and V in place through the block table; the torch
 backend gathers them into padded tensors first (shards/attention.py). It is built with
 torch's C++ extension tooling into a cache directory named after the CPU's instruction
-set, since it is compiled for that CPU (-march=native): nodes that share a home directory
-but not a CPU build their own. Without a compiler the shards use the torch path and say so
+set (and the checkout), since it is compiled for that CPU (-march=native): nodes that
+share a home directory but not a CPU build their own. Without a compiler the shards use the torch path and say so
 once in the log.
 """
 
@@ -34,7 +34,9 @@ _error: str | None = None
 
 
 def _cpu_signature() -> str:
-    """What the compiled code depends on: the machine, the CPU's flags, python and torch."""
+    """What the compiled code depends on: the machine, the CPU's flags, python and torch;
+    and which checkout it came from, so that two checkouts never rebuild one library
+    under each other's running servers."""
     import torch
 
     flags = ""
@@ -45,7 +47,7 @@ def _cpu_signature() -> str:
                 break
     except OSError:
         pass
-    text = f"{platform.machine()}|{flags}|{sys.version_info[:2]}|{torch.__version__}"
+    text = f"{platform.machine()}|{flags}|{sys.version_info[:2]}|{torch.__version__}|{SOURCE}"
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
