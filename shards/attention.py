@@ -98,8 +98,11 @@ class TorchAttentionBackend(AttentionBackend):
                 causal = False
             ks = _expand_kv(ks.transpose(0, 1), num_heads)
             vs = _expand_kv(vs.transpose(0, 1), num_heads)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=causal,
-                                               scale=scale)
+            # With a batch dimension: on CPU, 3-D inputs take SDPA's math path (scores
+            # materialised, masks applied op by op); 4-D ones its flash kernel, 2.5-3x
+            # faster for a 128- to 512-token chunk (benchmarks/NOTES.md 20).
+            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask,
+                                               is_causal=causal, scale=scale)[0]
             out[seq.start : seq.end] = o.transpose(0, 1)
         return out
 
