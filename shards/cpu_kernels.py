@@ -6,8 +6,8 @@ The decode attention kernel reads K and V in place through the block table; the 
 backend gathers them into padded tensors first (shards/attention.py). It is built with
 torch's C++ extension tooling into a cache directory named after the CPU's instruction
 set (and the checkout), since it is compiled for that CPU (-march=native): nodes that
-share a home directory but not a CPU build their own. Without a compiler the shards use the torch path and say so
-once in the log.
+share a home directory but not a CPU build their own. Without a compiler the shards use
+the torch path and say so once in the log.
 """
 
 from __future__ import annotations

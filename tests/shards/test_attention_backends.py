@@ -100,7 +100,8 @@ def cpu_kernel():
     kernel = cpu_kernels.load()
     if kernel is None:
         if shutil.which("c++") or shutil.which("g++"):
-            pytest.fail(f"a compiler is here but the kernel did not build: {cpu_kernels.load_error()}")
+            pytest.fail("a compiler is here but the kernel did not build: "
+                        f"{cpu_kernels.load_error()}")
         pytest.skip(f"no C++ compiler: {cpu_kernels.load_error()}")
     return kernel
 
