@@ -12,6 +12,7 @@ import httpx
 import pytest
 import ray
 from ray import serve
+from ray._common.utils import get_default_ray_temp_dir
 from ray.cluster_utils import Cluster
 
 from deployments.app import BatcherDeployment
@@ -25,6 +26,10 @@ BASE = f"http://127.0.0.1:{PORT}"
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+    # Cluster writes the head's address to the default temp dir's ray_current_cluster
+    # whatever temp_dir says, and fails where that dir does not exist yet (a fresh CI
+    # machine, where this is the suite's first Ray start).
+    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "include_dashboard": False,
         "temp_dir": str(tmp_path_factory.mktemp("ray"))})
