@@ -30,8 +30,9 @@ class AppArgs(BaseModel):
     max_batch_prefill_tokens: int = Field(4096, ge=1)
     max_batch_total_tokens: int | None = Field(None, ge=1)
     max_batch_size: int | None = Field(None, ge=1)
-    waiting_served_ratio: float = Field(0.3, ge=0)
-    max_waiting_tokens: int = Field(20, ge=0)
+    # None: TGI v3's policy (admit at every step with chunked prefill, else 0.3 and 20).
+    waiting_served_ratio: float | None = Field(None, ge=0)
+    max_waiting_tokens: int | None = Field(None, ge=0)
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     block_size: int = Field(16, ge=1)
@@ -103,6 +104,11 @@ class AppArgs(BaseModel):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model.rstrip("/").split("/")[-1]
+
+    @property
+    def admission(self) -> tuple[float, int]:
+        """(waiting_served_ratio, max_waiting_tokens) in effect; (0, 0): every step."""
+        return self.scheduler_config(1).admission
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

@@ -125,6 +125,7 @@ class Ingress:
         except Exception as exc:
             return self.tgi.error(exc)
         a = self.args
+        waiting_served_ratio, max_waiting_tokens = a.admission
         return JSONResponse({
             "model_id": a.model_name, "model_sha": None, "model_pipeline_tag": "text-generation",
             "model_dtype": a.dtype, "model_device_type": a.device,
@@ -134,8 +135,8 @@ class Ingress:
             "max_total_tokens": self.limits.max_total_tokens,
             "max_batch_prefill_tokens": a.max_batch_prefill_tokens,
             "max_batch_total_tokens": a.max_batch_total_tokens,
-            "max_waiting_tokens": a.max_waiting_tokens, "max_batch_size": a.max_batch_size,
-            "waiting_served_ratio": a.waiting_served_ratio, "validation_workers": 1,
+            "max_waiting_tokens": max_waiting_tokens, "max_batch_size": a.max_batch_size,
+            "waiting_served_ratio": waiting_served_ratio, "validation_workers": 1,
             "max_client_batch_size": 1, "router": "raygen", "version": "0.1.0", "sha": None,
             "docker_label": None,
         })

@@ -27,9 +27,12 @@ class SchedulerConfig:
     max_batch_size: int | None = None
     # With a running batch, admit waiting requests only when at least
     # floor(running * waiting_served_ratio) of them wait ...
-    waiting_served_ratio: float = 0.3
-    # ... or when they have waited this many decode steps.
-    max_waiting_tokens: int = 20
+    waiting_served_ratio: float | None = None
+    # ... or when they have waited this many decode steps. None (both): TGI v3's policy,
+    # which is to admit at every step with chunked prefill (TGI ignores both knobs then:
+    # new prompts ride along in the running batch's step) and 0.3 / 20 without it. Set,
+    # they hold in either mode.
+    max_waiting_tokens: int | None = None
     enable_chunked_prefill: bool = True
     max_model_len: int = 4096
 
@@ -38,5 +41,17 @@ class SchedulerConfig:
             raise ValueError("max_batch_prefill_tokens must be positive")
         if self.max_batch_size is not None and self.max_batch_size <= 0:
             raise ValueError("max_batch_size must be positive")
-        if self.waiting_served_ratio < 0 or self.max_waiting_tokens < 0:
+        if (self.waiting_served_ratio or 0) < 0 or (self.max_waiting_tokens or 0) < 0:
             raise ValueError("waiting_served_ratio and max_waiting_tokens must be >= 0")
+
+    @property
+    def admission(self) -> tuple[float, int]:
+        """The (waiting_served_ratio, max_waiting_tokens) in effect; (0, 0) admits at
+        every step."""
+        chunked_default = self.enable_chunked_prefill and self.waiting_served_ratio is None \
+            and self.max_waiting_tokens is None
+        if chunked_default:
+            return 0.0, 0
+        ratio = 0.3 if self.waiting_served_ratio is None else self.waiting_served_ratio
+        return ratio, 20 if self.max_waiting_tokens is None else self.max_waiting_tokens
+

@@ -2,9 +2,10 @@
 
 Running requests go first (a decode token each, or the next chunk of their prompt),
 preempting from the tail when the cache is full; then waiting requests are admitted in
-arrival order while the prefill budget and free blocks allow. TGI's
-`waiting_served_ratio` / `max_waiting_tokens` decide when a running batch is worth
-interrupting for new prefills.
+arrival order while the prefill budget and free blocks allow. As in TGI v3, with chunked
+prefill (the default) new prompts join at every step, the step's tokens in all within
+`max_batch_prefill_tokens`; without it (or when set), TGI's `waiting_served_ratio` /
+`max_waiting_tokens` decide when a running batch is worth interrupting for new prefills.
 
 Async scheduling (vLLM v1's): the next step may be scheduled while the current one runs.
 A request whose sample is still in flight counts it as a placeholder token; the next step
@@ -35,8 +36,9 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     # Requests this step samples a token for (each holds a placeholder until it returns).
     sampling_ids: list[str] = field(default_factory=list)
-    # Why new requests joined a running batch (TGI's tgi_batch_concat reasons): enough of
-    # them waited ("backpressure") or they waited long enough ("wait_exceeded").
+    # Why new requests joined a running batch (TGI's tgi_batch_concat reasons): chunked
+    # prefill ("chunking"), enough of them waited ("backpressure") or they waited long
+    # enough ("wait_exceeded").
     concat_reason: str | None = None
 
     @property
@@ -93,13 +95,20 @@ class Scheduler:
         num_decode = 0
         had_running = bool(self.running)
 
+        # TGI v3 with chunked prefill: new prompts join the running batch's step, whose
+        # tokens in all (decodes included) stay within max_batch_prefill_tokens.
+        reserved = 0
+        if self.config.enable_chunked_prefill:
+            reserved = min(budget, sum(self._num_wanted(r) == 1 for r in self.running))
+            budget -= reserved
+
         i = 0
         while i < len(self.running):
             request = self.running[i]
-            if request.num_placeholders and not self._may_grow(request):
+            num_new = self._num_wanted(request)
+            if num_new == 0:
                 i += 1  # its last token is in flight: nothing more to compute
                 continue
-            num_new = request.num_tokens + request.num_placeholders - request.num_computed_tokens
             if num_new > 1:  # a prompt (or recompute) still catching up
                 num_new = min(num_new, budget)
                 if num_new == 0:
@@ -127,12 +136,19 @@ class Scheduler:
             num_admitted, budget = self._admit(scheduled, budget)
         self.steps_since_admission = 0 if num_admitted or not had_running else (
             self.steps_since_admission + 1)
-        num_prefill = self.config.max_batch_prefill_tokens - budget
+        num_prefill = self.config.max_batch_prefill_tokens - budget - reserved
         step_input, sampling_ids = self._make_step_input(scheduled)
         return SchedulerOutput(
             step_input, num_prefill, num_decode, num_admitted, preempted,
             concat_reason=concat_reason if had_running and num_admitted else None,
             sampling_ids=sampling_ids)
+
+    def _num_wanted(self, request: Request) -> int:
+        """Tokens a running request would compute next: 1 to decode, more for a prompt
+        catching up, 0 when its last sample is in flight and it may not grow."""
+        if request.num_placeholders and not self._may_grow(request):
+            return 0
+        return request.num_tokens + request.num_placeholders - request.num_computed_tokens
 
     def _may_grow(self, request: Request) -> bool:
         """Whether a request may sample past the tokens it has and those in flight."""
@@ -146,9 +162,12 @@ class Scheduler:
             return None
         if not had_running:
             return "empty"
-        if self.steps_since_admission >= self.config.max_waiting_tokens:
+        ratio, max_waiting_tokens = self.config.admission
+        if self.config.enable_chunked_prefill and (ratio, max_waiting_tokens) == (0.0, 0):
+            return "chunking"  # TGI v3's default with chunked prefill: every step
+        if self.steps_since_admission >= max_waiting_tokens:
             return "wait_exceeded"
-        min_size = math.floor(len(self.running) * self.config.waiting_served_ratio)
+        min_size = math.floor(len(self.running) * ratio)
         return "backpressure" if len(self.waiting) >= min_size else None
 
     def _admit(self, scheduled: dict[str, int], budget: int) -> tuple[int, int]:

@@ -23,7 +23,8 @@ from shards.model_runner import ModelRunner, ShardConfig
 class LLM:
     def __init__(self, model: str, *, max_batch_prefill_tokens: int = 4096,
                  max_batch_total_tokens: int | None = None, max_batch_size: int | None = None,
-                 waiting_served_ratio: float = 0.3, max_waiting_tokens: int = 20,
+                 waiting_served_ratio: float | None = None,
+                 max_waiting_tokens: int | None = None,
                  enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
                  max_model_len: int | None = None, block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_memory: int = 1 << 30,

@@ -135,6 +135,8 @@ def test_tokenize_and_info(app, tokenizer):
     assert [t["id"] for t in r.json()] == tokenizer("Hello kari").input_ids
     info = httpx.get(BASE + "/info").json()
     assert info["max_input_tokens"] == 64 and info["max_total_tokens"] == 128
+    # The admission policy in effect: TGI v3 with chunked prefill admits at every step.
+    assert (info["waiting_served_ratio"], info["max_waiting_tokens"]) == (0, 0)
 
 
 def test_openai_errors_use_openai_shape(app):

@@ -45,6 +45,38 @@ def test_waiting_served_ratio_and_max_waiting_tokens():
     assert admitted_at == 5  # after max_waiting_tokens decode steps
 
 
+def test_chunked_prefill_admits_at_every_step_within_the_step_budget():
+    """TGI v3's default with chunked prefill: a newcomer joins the running batch's very
+    next step, and the step's tokens, decodes included, stay within
+    max_batch_prefill_tokens."""
+    s, w = make(max_batch_prefill_tokens=64)
+    for i in range(10):
+        s.add_request(req(f"r{i}"))
+    step(s, w)
+    s.add_request(req("late", n=150))
+    out, _ = step(s, w)
+    assert out.num_admitted == 1 and out.concat_reason == "chunking"
+    assert out.num_decode_tokens == 10 and out.num_prefill_tokens == 54
+    assert sum(out.step_input.num_scheduled_tokens.values()) == 64
+    while s.requests["late"].num_computed_tokens < 150:
+        out, _ = step(s, w)
+        assert sum(out.step_input.num_scheduled_tokens.values()) <= 64
+
+
+def test_without_chunked_prefill_tgi_defaults_hold_the_newcomer_back():
+    s, w = make(num_blocks=256, enable_chunked_prefill=False)
+    assert s.config.admission == (0.3, 20)
+    for i in range(10):
+        s.add_request(req(f"r{i}", max_new=100))
+    step(s, w)
+    s.add_request(req("late"))
+    waited = 0
+    while "late" not in (out := step(s, w)[0]).step_input.num_scheduled_tokens:
+        waited += 1
+        assert waited <= 20
+    assert waited == 20 and out.concat_reason == "wait_exceeded"
+
+
 def test_enough_waiting_requests_are_admitted_at_once():
     s, w = make(waiting_served_ratio=0.3, max_waiting_tokens=100)
     for i in range(10):
