@@ -250,6 +250,27 @@ def measure_limit(workload: Workload, args: argparse.Namespace, out_dir: Path) -
             for c, limit in data["limit_output_tok_s"].items()}
 
 
+def merge_passes(cells: list[dict]) -> dict:
+    """One cell from the passes that measured it: the mean of each measure (a value every
+    pass agrees on, such as a token count, stays as it is), failures summed, and each pass's
+    own summary under `passes`."""
+    if len(cells) == 1:
+        return cells[0]
+    merged: dict = {}
+    for key, first in cells[0].items():
+        values = [cell.get(key) for cell in cells]
+        if key in ("failed", "errors"):
+            merged[key] = sum(values, type(first)())
+        elif all(v == first for v in values):
+            merged[key] = first
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            merged[key] = sum(values) / len(values)
+        else:
+            merged[key] = values
+    merged["passes"] = cells
+    return merged
+
+
 def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:,.0f}"
 
@@ -363,6 +384,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="@serve.batch max_batch_size")
     p.add_argument("--peers-venv", default=str(ROOT / ".venv-peers"))
     p.add_argument("--vllm-venv", default=str(ROOT / ".venv-vllm"))
+    p.add_argument("--passes", type=int, default=1,
+                   help="run every server this many times, in order then reversed, and "
+                        "report means (2 cancels a steady drift of the machine)")
     p.add_argument("--no-limit", dest="limit", action="store_false")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
@@ -387,27 +411,39 @@ def main(argv: list[str] | None = None) -> dict:
         workloads.append(Workload("decode-heavy", 32, None, (16, 256),
                                   [int(c) for c in args.decode_heavy_concurrency.split(",")]))
     machine = machine_description(args.model)
-    results: dict = {w.name: {} for w in workloads}
+    # runs[workload][server][c]: one summary per pass, merged into `results` at the end.
+    runs: dict = {w.name: {} for w in workloads}
     started = time.time()
     servers = make_servers(args)
-    for server in servers:
-        print(f"== {server.name} ({server.note})", flush=True)
-        proc = start(server, out_dir / f"{server.key}.log")
-        try:
+    for n in range(args.passes):
+        # Odd passes run the servers in reverse: over a pair of passes every server sees the
+        # same share of the machine's drift (it slowed 1.6x within one run here).
+        for server in servers if n % 2 == 0 else servers[::-1]:
+            print(f"== {server.name} ({server.note}), pass {n + 1}/{args.passes}", flush=True)
+            proc = start(server, out_dir / (f"{server.key}.log" if n == 0
+                                             else f"{server.key}-pass{n + 1}.log"))
+            try:
+                for workload in workloads:
+                    for c in workload.concurrency:
+                        summary = run_load(workload, c, args)
+                        runs[workload.name].setdefault(server.name, {}).setdefault(c, []).append(
+                            summary)
+                        print(f"   {workload.name} c={c}: {summary['output_throughput']:.1f} out "
+                              f"tok/s, TTFT p50 {_ms(summary['median_ttft_ms'])} ms, ITL p50 "
+                              f"{_ms(summary['median_itl_ms'])} ms, failed {summary['failed']}",
+                              flush=True)
+            finally:
+                stop(proc, server.stop_signal)
+        if args.limit:  # after each pass: the limit drifts with the machine too
             for workload in workloads:
-                for c in workload.concurrency:
-                    summary = run_load(workload, c, args)
-                    results[workload.name].setdefault(server.name, {})[c] = summary
-                    print(f"   {workload.name} c={c}: {summary['output_throughput']:.1f} out tok/s, "
-                          f"TTFT p50 {_ms(summary['median_ttft_ms'])} ms, ITL p50 "
-                          f"{_ms(summary['median_itl_ms'])} ms, failed {summary['failed']}",
-                          flush=True)
-        finally:
-            stop(proc, server.stop_signal)
-    if args.limit:
-        for workload in workloads:
-            results[workload.name]["limit"] = measure_limit(workload, args, out_dir)
+                for c, cell in measure_limit(workload, args, out_dir).items():
+                    runs[workload.name].setdefault("limit", {}).setdefault(c, []).append(cell)
+    results = {w: {name: {c: merge_passes(cells) for c, cells in by_c.items()}
+                   for name, by_c in rows.items()} for w, rows in runs.items()}
     report = table(results, workloads)
+    if args.passes > 1:
+        report = (f"\nEach cell: the mean of {args.passes} passes (servers in order, then "
+                  f"reversed); `passes` in the JSON keeps each.{report}")
     print(f"\nMachine: {machine}. Wall time {time.time() - started:.0f} s.{report}")
     payload = {"machine": machine, "servers": {s.name: s.note for s in servers},
                "workloads": [vars(w) for w in workloads], "results": results, "table": report}

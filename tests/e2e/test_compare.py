@@ -38,3 +38,37 @@ def test_compare_runs_each_server_in_turn_on_the_same_prompts(llama_dir, tmp_pat
     # Text prompts of exactly 128 tokens, plus the BOS the server adds.
     assert result["results"]["prefill-heavy"]["raygen TP=1"][1]["total_input_tokens"] == 3 * 129
     assert "raygen / best peer" in printed and "limit (forward only)" in printed
+
+
+def test_passes_alternate_the_server_order_and_report_means(llama_dir, tmp_path, monkeypatch):
+    """Two passes run the servers A, B then B, A (each sees the same share of a machine that
+    drifts) and every cell is the mean of its passes; no server is started here."""
+    from benchmarks import compare
+
+    order, throughputs = [], iter([10.0, 20.0, 30.0, 50.0])
+    monkeypatch.setattr(compare, "start", lambda server, log: order.append(server.key) or server)
+    monkeypatch.setattr(compare, "stop", lambda proc, sig: None)
+    monkeypatch.setattr(compare, "measure_limit", lambda w, a, o: {1: {
+        "output_throughput": 100.0 + len(order), "prefill_ms": 5.0, "decode_step_ms": 2.0}})
+
+    def fake_load(workload, c, args):
+        return {"output_throughput": next(throughputs), "median_ttft_ms": None,
+                "p99_ttft_ms": None, "median_itl_ms": None, "p99_itl_ms": None,
+                "total_output_tokens": 64, "failed": 1 if len(order) == 4 else 0,
+                "errors": ["boom"] if len(order) == 4 else []}
+
+    monkeypatch.setattr(compare, "run_load", fake_load)
+    result = main(["--model", llama_dir, "--servers", "raygen-tp1,serve-batch",
+                   "--concurrency", "1", "--decode-heavy-concurrency", "", "--passes", "2",
+                   "--out", str(tmp_path)])
+    assert order == ["raygen-tp1", "serve-batch", "serve-batch", "raygen-tp1"]
+    rows = result["results"]["prefill-heavy"]
+    ours, peer = rows["raygen TP=1"][1], rows["Ray Serve @serve.batch + generate"][1]
+    # raygen ran first and last (10, then 50), the peer second and third (20, then 30).
+    assert [p["output_throughput"] for p in ours["passes"]] == [10.0, 50.0]
+    assert ours["output_throughput"] == 30.0 and peer["output_throughput"] == 25.0
+    assert ours["total_output_tokens"] == 64  # what every pass agrees on stays as it is
+    assert ours["failed"] == 1 and ours["errors"] == ["boom"]  # failures add up
+    assert peer["failed"] == 0
+    assert rows["limit"][1]["output_throughput"] == (102.0 + 104.0) / 2
+    assert "mean of 2 passes" in result["table"]
