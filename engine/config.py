@@ -54,4 +54,3 @@ class SchedulerConfig:
             return 0.0, 0
         ratio = 0.3 if self.waiting_served_ratio is None else self.waiting_served_ratio
         return ratio, 20 if self.max_waiting_tokens is None else self.max_waiting_tokens
-

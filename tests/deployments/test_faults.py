@@ -27,17 +27,21 @@ BASE = f"http://127.0.0.1:{PORT}"
 def apps(llama_dir):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    serve.run(build_app(AppArgs(model=llama_dir, max_concurrent_requests=512, num_blocks=1024,
-                                max_total_tokens=512)), name="faults", route_prefix="/")
-    # Outputs in each generation's own call here (elsewhere through output channels).
-    serve.run(build_app(AppArgs(model=llama_dir, num_blocks=32, max_total_tokens=128,
-                                output_channels=False)), name="kv", route_prefix="/kv")
-    serve.run(build_app(AppArgs(model=llama_dir, request_timeout=1.0, num_blocks=512)),
-              name="slow", route_prefix="/slow")
+    specs = [
+        ("faults", "/", AppArgs(model=llama_dir, max_concurrent_requests=512, num_blocks=1024,
+                                max_total_tokens=512)),
+        # Outputs in each generation's own call here (elsewhere through output channels).
+        ("kv", "/kv", AppArgs(model=llama_dir, num_blocks=32, max_total_tokens=128,
+                              output_channels=False)),
+        ("slow", "/slow", AppArgs(model=llama_dir, request_timeout=1.0, num_blocks=512)),
+    ]
     for mode in ("sync", "async"):  # an app per step pipeline depth, slow admitting steps
-        serve.run(build_app(AppArgs(model=llama_dir, num_blocks=256, debug_prefill_delay_s=2.0,
-                                    async_scheduling=mode == "async")),
-                  name=f"owner-{mode}", route_prefix=f"/owner-{mode}")
+        specs.append((f"owner-{mode}", f"/owner-{mode}",
+                      AppArgs(model=llama_dir, num_blocks=256, debug_prefill_delay_s=2.0,
+                              async_scheduling=mode == "async")))
+    # Deployed together: their replicas start side by side instead of one app after another.
+    serve.run_many([serve.RunTarget(build_app(args), name=name, route_prefix=prefix)
+                    for name, prefix, args in specs])
     yield
     serve.shutdown()
     ray.shutdown()

@@ -24,12 +24,14 @@ KEY = "sekret-key"
 def app(llama_dir):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    serve.run(build_app(AppArgs(model=llama_dir, max_input_tokens=64, max_total_tokens=128,
-                                payload_limit=65536, num_blocks=256)),
-              name="main", route_prefix="/")
-    serve.run(build_app(AppArgs(model=llama_dir, api_key=KEY, max_concurrent_requests=1,
-                                num_blocks=256)),
-              name="locked", route_prefix="/locked")
+    serve.run_many([  # deployed together: their replicas start side by side
+        serve.RunTarget(build_app(AppArgs(model=llama_dir, max_input_tokens=64,
+                                          max_total_tokens=128, payload_limit=65536,
+                                          num_blocks=256)), name="main", route_prefix="/"),
+        serve.RunTarget(build_app(AppArgs(model=llama_dir, api_key=KEY,
+                                          max_concurrent_requests=1, num_blocks=256)),
+                        name="locked", route_prefix="/locked"),
+    ])
     yield
     serve.shutdown()
     ray.shutdown()
