@@ -30,14 +30,12 @@ $(DEMO_MODEL)/config.json: | $(STAMP)
 
 demo-model: $(DEMO_MODEL)/config.json
 
+# serve_config.yaml turns on Ray Serve's throughput mode itself (its controller_options):
+# HAProxy in front of the ingress replica, gRPC between replicas (README: Running).
 serve: install demo-model
 	$(VENV)/bin/serve run serve_config.yaml
 
-# Ray Serve's throughput mode: the ingress replica serves HTTP itself behind HAProxy (no
-# proxy actor hop; ray[serve] brings the binary), gRPC between replicas (README).
-FAST_ENV := RAY_SERVE_THROUGHPUT_OPTIMIZED=1 RAY_SERVE_ENABLE_HA_PROXY=1
-serve-fast: install demo-model
-	$(FAST_ENV) $(VENV)/bin/serve run serve_config.yaml
+serve-fast: serve  # the name of the days when throughput mode needed environment variables
 
 lint: install
 	$(VENV)/bin/ruff check .

