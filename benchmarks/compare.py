@@ -83,7 +83,8 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
     serve_bin = str(Path(sys.executable).with_name("serve"))
     base_env = {"RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
                 "RAY_ENABLE_AUTO_CONNECT": "0"}
-    # Serve's throughput mode (serve_config.yaml's controller_options); ray[serve] ships the HAProxy binary.
+    # Serve's throughput mode (serve_config.yaml's controller_options); ray[serve] ships
+    # the HAProxy binary.
     # Direct ingress drains >= 30 s on shutdown by default; nothing is in flight here.
     fast = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
