@@ -24,7 +24,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[1] + [rng.randrange(5, vocab) for _ in range(rng.randint(lo, hi) - 1)] for _ in range(n)]
+    return [[1] + [rng.randrange(5, vocab) for _ in range(rng.randint(lo, hi) - 1)]
+            for _ in range(n)]
 
 
 def bench_raygen(model: str, prompts, max_new: int) -> tuple[float, list[list[int]]]:
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     import json
 
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
-    prompts = make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab, args.seed)
+    prompts = make_prompts(args.num_prompts, args.min_prompt_len, args.max_prompt_len, vocab,
+                           args.seed)
     print(f"model {args.model}, {len(prompts)} prompts of {args.min_prompt_len}-"
           f"{args.max_prompt_len} tokens, {args.max_new_tokens} new tokens each, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}")

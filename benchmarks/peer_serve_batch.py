@@ -43,7 +43,8 @@ class BatchedGenerate:
         batch = self.tokenizer([prompt for prompt, _ in items], return_tensors="pt", padding=True,
                                return_token_type_ids=False)
         with torch.inference_mode():
-            out = self.model.generate(**batch, do_sample=False, max_new_tokens=max(n for _, n in items),
+            out = self.model.generate(**batch, do_sample=False,
+                                      max_new_tokens=max(n for _, n in items),
                                       pad_token_id=self.tokenizer.pad_token_id)
         results = []
         for row, (_, max_tokens) in enumerate(items):

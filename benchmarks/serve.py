@@ -149,12 +149,16 @@ def _tokens_in(backend: str, event: dict) -> int:
     if not choices:
         return 0
     choice = choices[0]
-    content = choice.get("text") if backend == "openai" else (choice.get("delta") or {}).get("content")
+    if backend == "openai":
+        content = choice.get("text")
+    else:
+        content = (choice.get("delta") or {}).get("content")
     return 1 if content else 0
 
 
 async def run(args: argparse.Namespace) -> dict:
-    output_range = tuple(int(x) for x in args.output_range.split(",")) if args.output_range else None
+    output_range = (tuple(int(x) for x in args.output_range.split(","))
+                    if args.output_range else None)
     requests = make_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio,
                              args.vocab_size, args.seed, output_range)
     if args.tokenizer:
@@ -232,12 +236,14 @@ def print_summary(s: dict) -> None:
             ("Request throughput (req/s):", f"{s['request_throughput']:.2f}"),
             ("Output token throughput (tok/s):", f"{s['output_throughput']:.2f}"),
             ("Total token throughput (tok/s):", f"{s['total_token_throughput']:.2f}")]
-    for metric, title in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
+    for metric, title in (("ttft", "Time to First Token"),
+                          ("tpot", "Time per Output Token (excl. 1st token)"),
                           ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
         rows.append((f"-----{title}-----", None))
         for kind in ("Mean", "Median", "P99"):
             value = s[f"{kind.lower()}_{metric}_ms"]
-            rows.append((f"{kind} {metric.upper()} (ms):", "n/a" if value is None else f"{value:.2f}"))
+            rows.append((f"{kind} {metric.upper()} (ms):",
+                         "n/a" if value is None else f"{value:.2f}"))
     for label, value in rows:
         print(label if value is None else f"{label:<40} {value:<10}")
     print("=" * 50)
@@ -276,8 +282,9 @@ def main(argv: list[str] | None = None) -> dict:
     print_summary(summary)
     if args.result_file:
         with open(args.result_file, "w") as f:
-            json.dump({**summary, "args": {k: v for k, v in vars(args).items()
-                                           if k != "request_rate" or v != float("inf")}}, f, indent=2)
+            shown = {k: v for k, v in vars(args).items()
+                     if k != "request_rate" or v != float("inf")}
+            json.dump({**summary, "args": shown}, f, indent=2)
     return summary
 
 

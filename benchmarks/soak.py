@@ -63,7 +63,8 @@ def server_rss_mib() -> float:
     return total / 1024
 
 
-async def one(client: httpx.AsyncClient, url: str, kind: str, rng: random.Random, tally: Tally) -> None:
+async def one(client: httpx.AsyncClient, url: str, kind: str, rng: random.Random,
+              tally: Tally) -> None:
     prompt = f"kari tona {rng.randint(0, 10**6)}"
     n = rng.randint(1, 24)
     try:
@@ -87,7 +88,8 @@ async def one(client: httpx.AsyncClient, url: str, kind: str, rng: random.Random
         if kind == "chat":
             r = await client.post(url + "/v1/chat/completions", json={
                 "model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": n})
-            _account_body(r, lambda b: b["choices"][0]["finish_reason"] in ("stop", "length"), tally)
+            _account_body(r, lambda b: b["choices"][0]["finish_reason"] in ("stop", "length"),
+                          tally)
             return
         stop_after = rng.randint(1, 3) if kind == "cancel" else None
         seen, last = 0, None
@@ -139,7 +141,8 @@ async def soak(url: str, duration: float, concurrency: int, seed: int = 0) -> di
         while time.monotonic() < deadline:
             await one(client, url, rng.choices(KINDS, WEIGHTS)[0], rng, tally)
 
-    async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=concurrency * 2)) as c:
+    limits = httpx.Limits(max_connections=concurrency * 2)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as c:
         await asyncio.gather(*(worker(c) for _ in range(concurrency)))
     return {**tally.as_dict(), "rss_start_mib": round(rss_start, 1),
             "rss_end_mib": round(server_rss_mib(), 1), "lost_examples": tally.lost[:5]}

@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"({remote - local:+.2f} ms, {remote / local:.2f}x in-process)")
     for tp in tps:
         plain, graph = round_trip_us(300, tp)
-        print(f"bare round trip TP={tp}: actor calls {plain:7.0f} us, compiled graph {graph:7.0f} us")
+        print(f"bare round trip TP={tp}: actor calls {plain:7.0f} us, "
+              f"compiled graph {graph:7.0f} us")
     ray.shutdown()
 
 

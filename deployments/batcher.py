@@ -96,7 +96,8 @@ class Batcher:
         if metrics_hub is not None:
             self.pusher = Pusher(metrics_hub, replica_source("Batcher"), self._families)
         logger.info("batcher ready: tp=%d, %d KV blocks (max_batch_total_tokens=%d)",
-                    args.tensor_parallel_size, num_blocks, self.engine.scheduler.max_batch_total_tokens)
+                    args.tensor_parallel_size, num_blocks,
+                    self.engine.scheduler.max_batch_total_tokens)
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[RequestOutput | Routed]:
         channel = self.channels.get(request.channel) if request.channel else None
@@ -141,7 +142,8 @@ class Batcher:
                 except asyncio.TimeoutError:
                     yield RequestOutput(request.request_id, finished=True,
                                         finish_reason=FinishReason.ERROR,
-                                        error=f"request timed out after {self.args.request_timeout:g} s")
+                                        error="request timed out after "
+                                              f"{self.args.request_timeout:g} s")
                     return
                 yield output
                 if output.finished:
@@ -149,7 +151,8 @@ class Batcher:
         finally:
             await stream.aclose()  # aborts the request unless it finished
 
-    async def outputs(self, request: OpenChannel) -> AsyncIterator[ChannelOpened | list[RequestOutput]]:
+    async def outputs(
+            self, request: OpenChannel) -> AsyncIterator[ChannelOpened | list[RequestOutput]]:
         """An ingress replica's output channel: every output of its generations that
         chose it, one list per engine step. Ends after CHANNEL_IDLE_S without any."""
         if request.key in self.channels:

@@ -31,7 +31,8 @@ Family = tuple[str, str, str, list[tuple[str, dict[str, str], float]]]
 
 
 def collect(registry: prom.CollectorRegistry) -> list[Family]:
-    return [(f.name, f.type, f.documentation, [(s.name, dict(s.labels), s.value) for s in f.samples])
+    return [(f.name, f.type, f.documentation,
+             [(s.name, dict(s.labels), s.value) for s in f.samples])
             for f in registry.collect()]
 
 

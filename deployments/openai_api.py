@@ -149,8 +149,8 @@ class _View:
         if self.chat:
             return {"content": [
                 {"token": t, "logprob": lp, "bytes": list(t.encode()),
-                 "top_logprobs": [{"token": decode([i]), "logprob": v, "bytes": list(decode([i]).encode())}
-                                  for i, v in top]}
+                 "top_logprobs": [{"token": decode([i]), "logprob": v,
+                                   "bytes": list(decode([i]).encode())} for i, v in top]}
                 for t, lp, top in zip(tokens, g.logprobs[start:end], g.top_logprobs[start:end],
                                       strict=True)]}
         offsets, pos = [], len("".join(g.token_texts[:start]))
@@ -158,7 +158,8 @@ class _View:
             offsets.append(pos)
             pos += len(t)
         return {"tokens": tokens, "token_logprobs": g.logprobs[start:end],
-                "top_logprobs": [{decode([i]): v for i, v in top} for top in g.top_logprobs[start:end]],
+                "top_logprobs": [{decode([i]): v for i, v in top}
+                                 for top in g.top_logprobs[start:end]],
                 "text_offset": offsets}
 
     def usage(self, runs: list[Generation]) -> dict:
@@ -210,7 +211,8 @@ class _View:
                 if exc is not None:
                     kind = "generation" if isinstance(exc, GenerationError) else "internal"
                     self.api.admission.failed(kind)
-                    yield _sse({"error": {"message": str(exc), "type": "server_error", "code": kind}})
+                    yield _sse({"error": {"message": str(exc), "type": "server_error",
+                                          "code": kind}})
                     break
                 g = runs[index]
                 end = len(g.token_ids)

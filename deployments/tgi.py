@@ -68,11 +68,13 @@ def validate(request: TGIRequest, tokenizer: Any, limits: Limits, stream: bool) 
         if limits.max_best_of == 1:
             raise ValidationError("`best_of` != 1 is not allowed for this endpoint")
         if best_of == 0 or best_of > limits.max_best_of:
-            raise ValidationError(f"`best_of` must be > 0 and <= {limits.max_best_of}. Given: {best_of}")
+            raise ValidationError(
+                f"`best_of` must be > 0 and <= {limits.max_best_of}. Given: {best_of}")
         if stream:
             raise ValidationError("`best_of` != 1 is not supported when streaming tokens")
     if stream and p.decoder_input_details:
-        raise ValidationError("`decoder_input_details` == true is not supported when streaming tokens")
+        raise ValidationError(
+            "`decoder_input_details` == true is not supported when streaming tokens")
     has_warpers = any(v is not None for v in (p.temperature, p.top_k, p.top_p, p.typical_p))
     if best_of > 1 and not (p.do_sample or has_warpers):
         raise ValidationError("you must use sampling when `best_of` is > 1")
@@ -121,9 +123,11 @@ def validate(request: TGIRequest, tokenizer: Any, limits: Limits, stream: bool) 
     input_length = len(ids)
     max_new_tokens = p.max_new_tokens
     if max_new_tokens is None:
-        max_new_tokens = min(max(limits.max_total_tokens - input_length, 1), DEFAULT_GENERATION_LENGTH)
+        max_new_tokens = min(max(limits.max_total_tokens - input_length, 1),
+                             DEFAULT_GENERATION_LENGTH)
     if input_length + max_new_tokens > limits.max_total_tokens:
-        raise ValidationError(f"`inputs` tokens + `max_new_tokens` must be <= {limits.max_total_tokens}. "
+        raise ValidationError(f"`inputs` tokens + `max_new_tokens` must be <= "
+                              f"{limits.max_total_tokens}. "
                               f"Given: {input_length} `inputs` tokens and {max_new_tokens} "
                               "`max_new_tokens`")
     if input_length > limits.max_input_tokens:

@@ -15,7 +15,8 @@ _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int],
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])

@@ -62,7 +62,8 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         num_blocks = cache_config.num_blocks
         if config.max_batch_total_tokens is not None:
-            num_blocks = min(num_blocks, -(-config.max_batch_total_tokens // cache_config.block_size))
+            needed = -(-config.max_batch_total_tokens // cache_config.block_size)
+            num_blocks = min(num_blocks, needed)
         self.block_manager = BlockManager(num_blocks, cache_config.block_size,
                                           cache_config.enable_prefix_caching)
         self.requests: dict[str, Request] = {}

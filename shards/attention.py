@@ -151,7 +151,8 @@ class FlashAttentionBackend(AttentionBackend):
         # flash-attn's paged path wants pages of 256 tokens; vllm-flash-attn's, 16.
         page = 256 if self.module_name == "flash_attn" else 16
         if block_size % page:
-            raise ImportError(f"{self.module_name} needs block_size % {page} == 0, got {block_size}")
+            raise ImportError(
+                f"{self.module_name} needs block_size % {page} == 0, got {block_size}")
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)

@@ -171,7 +171,8 @@ def write_demo_model(out_dir: str | Path, preset: str = "tiny", arch: str = "lla
     tokenizer = train_tokenizer(spec)
     config = model_config(spec, arch, tokenizer.get_vocab_size())
 
-    save_file(random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(random_weights(config, seed), str(out / "model.safetensors"),
+              metadata={"format": "pt"})
     tokenizer.save(str(out / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -36,7 +36,8 @@ class TPContext:
         return x
 
 
-def _read(loaded: Any, start: int | None = None, length: int | None = None, dim: int = 0) -> torch.Tensor:
+def _read(loaded: Any, start: int | None = None, length: int | None = None,
+          dim: int = 0) -> torch.Tensor:
     """Read a full tensor, or one slice of dim 0 or 1, from a tensor or a lazy
     safetensors slice (which reads only the bytes asked for)."""
     if start is None:
@@ -168,7 +169,8 @@ class RowParallelLinear(_Matmul):
         super().__init__()
         self.tp = tp
         self.start, local = tp.shard(input_size)
-        self.weight = nn.Parameter(torch.empty(output_size, local, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(output_size, local, dtype=dtype),
+                                   requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
         if bias:
@@ -218,7 +220,9 @@ class ParallelLMHead(VocabParallelEmbedding, _Matmul):
         logits = self.matmul(hidden)
         if self.tp.world_size == 1:
             return logits
-        parts = [torch.empty_like(logits) for _ in range(self.tp.world_size)] if self.tp.rank == 0 else None
+        parts = None
+        if self.tp.rank == 0:
+            parts = [torch.empty_like(logits) for _ in range(self.tp.world_size)]
         dist.gather(logits, parts, dst=0)
         if self.tp.rank != 0:
             return None
@@ -248,7 +252,8 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        inv_freq = 1.0 / (theta ** exponents)
         if scaling is not None:
             inv_freq = _scale_inv_freq(inv_freq, scaling)
         positions = torch.arange(max_position, dtype=torch.float32)

@@ -53,7 +53,8 @@ class ModelConfig:
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             if rope_type not in ("default", "linear", "llama3"):
                 raise ValueError(f"unsupported rope scaling {rope_type!r}")
-            rope_scaling = None if rope_type == "default" else {**rope_scaling, "rope_type": rope_type}
+            rope_scaling = (None if rope_type == "default"
+                            else {**rope_scaling, "rope_type": rope_type})
         if raw.get("sliding_window") and raw.get("use_sliding_window", True) and (
                 raw["sliding_window"] < raw.get("max_position_embeddings", 0)):
             logger.warning("sliding_window=%s is not applied: attention is global",

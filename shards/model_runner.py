@@ -44,7 +44,8 @@ class ShardConfig:
     # (shards/cpu_plan.py); a one-token step keeps to the rank's own cores.
     borrow_reserved_cpus: bool = False
     torch_compile: bool = False  # CPU, one rank: compile the dense parts (shards/compiled.py)
-    cpu_matmul: str = "auto"  # onednn | torch; auto: oneDNN on CPU (float32/bfloat16) unless compiled
+    # onednn | torch; auto: oneDNN on CPU (float32/bfloat16) unless compiled
+    cpu_matmul: str = "auto"
     # Testing only: each rank sleeps this long before a step that admits new requests, so
     # tests get steps of any length without long prompts.
     debug_prefill_delay_s: float = 0.0
@@ -212,7 +213,8 @@ class ModelRunner:
                 prefills.append((row0, row0 + n, start, seq.block_ids[: -(-end // block_size)]))
             if seq.params.prompt_logprobs and start < seq.num_prompt_tokens - 1:
                 count = min(end, seq.num_prompt_tokens - 1) - start
-                prompt_rows[request_id] = (len(logit_rows), seq.token_ids[start + 1 : start + 1 + count])
+                prompt_rows[request_id] = (len(logit_rows),
+                                           seq.token_ids[start + 1 : start + 1 + count])
                 logit_rows.extend(range(row0, row0 + count))
             if end == len(seq.token_ids):
                 row = SampleRow(seq.params, seq.seed, end - seq.num_prompt_tokens, seq.token_ids,

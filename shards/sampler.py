@@ -45,7 +45,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         scores = scores.index_copy(0, idx, warped)
         probs = warped.softmax(dim=-1)
         for j, i in enumerate(sampled):
-            gen = torch.Generator(device=scores.device).manual_seed(_mix(rows[i].seed, rows[i].position))
+            gen = torch.Generator(device=scores.device)
+            gen.manual_seed(_mix(rows[i].seed, rows[i].position))
             # Exponential race: argmax p / E with E ~ Exp(1) draws from p.
             noise = torch.empty_like(probs[j]).exponential_(generator=gen)
             tokens[i] = (probs[j] / noise).argmax()

@@ -223,7 +223,8 @@ def test_a_refused_channel_is_counted_and_asked_for_again_later():
         await settle()
         assert channels.refused == 1 and channels.replicas == {} and not channels.opening
         assert opened.channel_id not in channels.carried
-        task, call = await start(batcher, channels, 1, Routed("B", None))  # B again, still in its call
+        # B again, still in its call.
+        task, call = await start(batcher, channels, 1, Routed("B", None))
         call.items.put_nowait(out("r1", 2, finished=True))
         assert await task == [2]
         await settle()

@@ -222,7 +222,8 @@ def test_request_timeout_ends_the_request_and_frees_blocks(apps):
 
 
 def shard_actor_names(app: str) -> list[tuple[str, str]]:
-    return sorted((a["name"], a["namespace"]) for a in ray.util.list_named_actors(all_namespaces=True)
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    return sorted((a["name"], a["namespace"]) for a in actors
                   if a["name"].startswith(f"{app}-") and "-shard-" in a["name"])
 
 
@@ -248,8 +249,8 @@ def run_streams(n: int, path: str, max_new_tokens: int) -> tuple[list, threading
     def one(i):
         lines = []
         try:
-            with httpx.stream("POST", BASE + path, timeout=60, json={
-                    "inputs": f"mole dasu {i}", "parameters": {"max_new_tokens": max_new_tokens}}) as r:
+            body = {"inputs": f"mole dasu {i}", "parameters": {"max_new_tokens": max_new_tokens}}
+            with httpx.stream("POST", BASE + path, timeout=60, json=body) as r:
                 for line in r.iter_lines():
                     lines.append(line)
                     started[i].set()

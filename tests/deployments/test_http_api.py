@@ -62,14 +62,16 @@ VALIDATION = [
     ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` > 1"),
     ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
     ({"watermark": True}, "`watermark` is not supported"),
-    ({"adapter_id": "my-lora"}, "`adapter_id` is not supported: this server loads no LoRA adapters"),
+    ({"adapter_id": "my-lora"},
+     "`adapter_id` is not supported: this server loads no LoRA adapters"),
     ({"grammar": {"type": "regex"}}, "`grammar` must be an object with `type` and `value`"),
 ]
 
 
 @pytest.mark.parametrize(("parameters", "message"), VALIDATION)
 def test_validation_rules(app, parameters, message):
-    r = post("/generate", {"inputs": "Hello world", "parameters": {"max_new_tokens": 4, **parameters}})
+    r = post("/generate",
+             {"inputs": "Hello world", "parameters": {"max_new_tokens": 4, **parameters}})
     assert r.status_code == 422
     assert r.json() == {"error": message, "error_type": "validation"}
 
@@ -88,11 +90,13 @@ def test_input_length_rules(app):
 
 def test_streaming_only_rules(app):
     for params, message in (
-        ({"best_of": 2, "do_sample": True}, "`best_of` != 1 is not supported when streaming tokens"),
+        ({"best_of": 2, "do_sample": True},
+         "`best_of` != 1 is not supported when streaming tokens"),
         ({"decoder_input_details": True},
          "`decoder_input_details` == true is not supported when streaming tokens"),
     ):
-        r = post("/generate_stream", {"inputs": "Hi", "parameters": {"max_new_tokens": 2, **params}})
+        r = post("/generate_stream",
+                 {"inputs": "Hi", "parameters": {"max_new_tokens": 2, **params}})
         assert r.status_code == 422 and r.json() == {"error": message, "error_type": "validation"}
 
 

@@ -76,8 +76,8 @@ def test_both_replicas_serve_and_the_router_reports(sessions):
     assert decisions(metrics).get("prefix", 0) > 0, decisions(metrics)
     # The ingress got each replica's outputs through a channel to that replica.
     for name in ("messages", "outputs"):
-        found = dict(re.findall(rf'^raygen_output_channel_{name}_total\{{replica="([^"]+)"\}} (\S+)$',
-                                metrics, re.M))
+        pattern = rf'^raygen_output_channel_{name}_total\{{replica="([^"]+)"\}} (\S+)$'
+        found = dict(re.findall(pattern, metrics, re.M))
         assert found.keys() == per_replica.keys(), (name, found)
         assert all(float(v) > 0 for v in found.values()), (name, found)
 

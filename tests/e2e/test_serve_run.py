@@ -55,7 +55,8 @@ PROMPTS = ["Hello kari", "Tona sefi mole dasu", "東京 😀 café", "ka", "Zuti
 
 
 def greedy(offline: LLM, prompt: str, n: int) -> list[int]:
-    return offline.generate([prompt], SamplingParams(max_new_tokens=n, ignore_eos=False))[0].token_ids
+    params = SamplingParams(max_new_tokens=n, ignore_eos=False)
+    return offline.generate([prompt], params)[0].token_ids
 
 
 def test_text_generation_client(server, offline):
@@ -86,7 +87,8 @@ def test_openai_client(server, offline, tokenizer):
     messages = [{"role": "user", "content": "Tona sefi?"}]
     chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     chat_expected = offline.generate([chat_ids], SamplingParams(max_new_tokens=10))[0].text
-    chat = client.chat.completions.create(model="m", messages=messages, max_tokens=10, temperature=0)
+    chat = client.chat.completions.create(model="m", messages=messages, max_tokens=10,
+                                          temperature=0)
     assert chat.choices[0].message.content == chat_expected
     assert chat.usage.prompt_tokens == len(chat_ids)
     chunks = list(client.chat.completions.create(
@@ -142,7 +144,8 @@ def test_disconnected_streams_free_their_blocks(server, offline):
     aborted_before = metric("raygen_aborted_requests_total")
     seen, bystander = asyncio.run(main())
     assert seen == [3] * 16
-    assert [t["id"] for t in bystander.json()["details"]["tokens"]] == greedy(offline, PROMPTS[2], 40)
+    bystander_ids = [t["id"] for t in bystander.json()["details"]["tokens"]]
+    assert bystander_ids == greedy(offline, PROMPTS[2], 40)
     # The batcher pushes its metrics to the hub behind /metrics every 0.5 s, so a read can
     # be a push behind: wait for the pair (blocks freed, aborts counted) to arrive together.
     deadline = time.monotonic() + 30

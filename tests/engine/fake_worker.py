@@ -24,7 +24,8 @@ class FakeWorker:
             self.seqs.pop(rid, None)
         for new in step.new_requests:
             assert new.request_id not in self.seqs, "sent whole twice without being freed"
-            self.seqs[new.request_id] = {"tokens": list(new.token_ids), "blocks": list(new.block_ids),
+            self.seqs[new.request_id] = {"tokens": list(new.token_ids),
+                                         "blocks": list(new.block_ids),
                                          "computed": new.num_computed_tokens}
         for cached in step.cached_requests:
             seq = self.seqs[cached.request_id]

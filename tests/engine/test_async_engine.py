@@ -44,7 +44,8 @@ def expected_tokens(prompt: list[int], n: int) -> list[int]:
 
 
 async def consume(async_engine: AsyncEngine, rid: str, prompt: list[int], n: int):
-    outputs = [o async for o in async_engine.generate(rid, prompt, SamplingParams(max_new_tokens=n))]
+    params = SamplingParams(max_new_tokens=n)
+    outputs = [o async for o in async_engine.generate(rid, prompt, params)]
     return [t for o in outputs for t in o.token_ids], outputs[-1]
 
 

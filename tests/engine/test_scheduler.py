@@ -14,7 +14,8 @@ EOS = 3
 
 def make(num_blocks=64, block_size=4, **knobs) -> tuple[Scheduler, FakeWorker]:
     config = SchedulerConfig(**{"max_model_len": 1024, **knobs})
-    return Scheduler(config, CacheConfig(block_size, num_blocks), frozenset({EOS})), FakeWorker(block_size)
+    scheduler = Scheduler(config, CacheConfig(block_size, num_blocks), frozenset({EOS}))
+    return scheduler, FakeWorker(block_size)
 
 
 def req(rid: str, n: int = 5, max_new: int = 50, **params) -> Request:

@@ -69,4 +69,5 @@ def test_small_preset_size():
 def _hf_config(config: dict):
     from transformers import LlamaConfig
 
-    return LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    return LlamaConfig(**{k: v for k, v in config.items()
+                          if k not in ("architectures", "model_type")})

@@ -22,7 +22,8 @@ def test_stop_string_spanning_tokens_ends_generation(llm):
     full = llm.generate([prompt], SamplingParams(max_new_tokens=30))[0]
     # Per-token texts from a streamed run, to find a token boundary.
     pieces = [llm.tokenizer.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
-    k = next(i for i in range(3, 25) if len(pieces[i - 1]) >= 2 and len(pieces[i]) - len(pieces[i - 1]) >= 2)
+    k = next(i for i in range(3, 25)
+             if len(pieces[i - 1]) >= 2 and len(pieces[i]) - len(pieces[i - 1]) >= 2)
     cut = len(pieces[k - 1])
     stop = full.text[cut - 2 : cut + 2]
     out = llm.generate([prompt], SamplingParams(max_new_tokens=30, stop=(stop,)))[0]

@@ -97,7 +97,8 @@ def test_sharded_checkpoint_loads_the_same(llama_dir, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json",
+                 "generation_config.json"):
         shutil.copy(f"{llama_dir}/{name}", tmp_path / name)
     weights = load_file(f"{llama_dir}/model.safetensors")
     names = sorted(weights)
