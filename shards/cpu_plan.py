@@ -44,8 +44,12 @@ def borrowed_cores(cores: list[int], reserved: int, local_count: int) -> list[in
 
 def pin_serving_plane(reserved: int) -> list[int]:
     """Pin this process (an ingress or batcher replica) to the reserved cores; [] when
-    nothing is reserved (it then runs anywhere)."""
+    nothing is reserved (it then runs anywhere). Every thread: Linux pins one thread per
+    call, and the replica's event loop and Ray's threads exist before its constructor."""
     _, plane = split(available_cores(), reserved)
-    if plane:
-        os.sched_setaffinity(0, plane)
+    for tid in os.listdir("/proc/self/task") if plane else []:
+        try:
+            os.sched_setaffinity(int(tid), plane)
+        except ProcessLookupError:
+            pass  # the thread ended meanwhile
     return plane
