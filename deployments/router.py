@@ -64,7 +64,8 @@ class PrefixCacheRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if best_id is None:
             return fallback
         self._remember(best_id, request)
-        # The holder first; if its queue is full, Serve's pair.
+        # The holder (or, to balance, the least busy other) first; if its queue is full,
+        # Serve's pair.
         return [[by_id[best_id]]] + [[r for r in rank if r.replica_id != best_id]
                                      for rank in fallback]
 
@@ -91,6 +92,11 @@ class PrefixCacheRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._record_queue_wait_time(pending)
         pending.future.set_result(replica)
         self._remove_pending_request_from_indices(pending)
+        self.index.chosen(replica.replica_id)
+
+    def on_send_request(self, replica_id: ReplicaID):
+        super().on_send_request(replica_id)
+        self.index.sent(replica_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID):
         super().on_replica_actor_died(replica_id)

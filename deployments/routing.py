@@ -8,19 +8,23 @@ hash chain, truncated to 32 bits) and its load; the router (deployments/router.p
 by Serve in the ingress process beside the handle) computes the same chain from the
 request's token ids and sends the request to the replica holding the longest prefix,
 unless that replica is busier than the least busy one by more than `imbalance_margin`
-requests, or lacks the free KV blocks for the rest of the prompt. Without fresh stats it
-is Serve's power-of-two choice. A wrong guess costs a prefill, never a wrong answer: the
-replica looks the prefix up in its own cache.
+requests, or lacks the free KV blocks for the rest of the prompt: then the least busy
+other replica. Without fresh stats, or a known prefix, it is Serve's power-of-two choice.
+A wrong guess costs a prefill, never a wrong answer: the replica looks the prefix up in
+its own cache.
 
 Between two stats reports (`request_routing_stats_period_s`) the index also remembers
 where the router sent each prefix, for `recent_ttl_s`, so a conversation's next turn
-follows the first even before the replica has reported the blocks."""
+follows the first even before the replica has reported the blocks. It also counts the
+requests it has given a replica that Serve has not sent yet: Serve adds a request to its
+load only once sent, and routes a burst of requests in one pass before sending any, so
+without that count every request of a burst would see the same loads."""
 
 from __future__ import annotations
 
 import array
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from deployments.metrics import ROUTER, Metrics
@@ -30,6 +34,7 @@ from engine.block_manager import prefix_block_hashes
 STATS_VERSION = 1
 _MASK = 0xFFFFFFFF
 _MAX_RECENT = 200_000  # remembered block names per replica
+_IN_TRANSIT_TTL_S = 5.0  # a request chosen but never sent (its caller gone) counts this long
 
 # The routers of this process (an ingress replica's handles): to Ray and GET /metrics.
 _metrics: Metrics | None = None
@@ -85,6 +90,7 @@ class PrefixIndex:
         self.min_match_blocks = min_match_blocks
         self._holdings: dict = {}
         self._recent: dict[object, OrderedDict[int, float]] = {}
+        self._in_transit: dict[object, deque[float]] = {}
 
     def fresh(self, stats: dict | None) -> dict | None:
         """The report if it is one of ours and recent enough, else None."""
@@ -108,23 +114,24 @@ class PrefixIndex:
 
     def decide(self, token_ids: list[int], stats: dict, loads: dict) -> tuple[str, object]:
         """stats: replica -> its report (None if missing); loads: replica -> requests it
-        is serving (None: use its report). Returns ('prefix', replica) or ('balance' |
-        'fallback', None), the latter two meaning Serve's own choice."""
+        is serving (None: use its report). Returns ('prefix', holder), ('balance', the
+        least busy other replica) or ('fallback', None): Serve's own choice."""
         fresh = {r: s for r, s in ((r, self.fresh(s)) for r, s in stats.items()) if s}
         if not fresh or len(token_ids) < 2:
             return "fallback", None
         block_size = next(iter(fresh.values()))["block_size"]
         names = chain(token_ids, block_size)
         matched = {r: self.matched_blocks(r, s, names) for r, s in fresh.items()}
-        load = {r: loads.get(r) if loads.get(r) is not None else s["running"] + s["waiting"]
-                for r, s in fresh.items()}
+        load = {r: (loads.get(r) if loads.get(r) is not None else s["running"] + s["waiting"])
+                + self.in_transit(r) for r, s in fresh.items()}
         best = max(fresh, key=lambda r: (matched[r], -load[r]))
         if matched[best] < self.min_match_blocks:
             return "fallback", None
         uncached_blocks = -(-len(token_ids) // block_size) - matched[best]
         if (load[best] - min(load.values()) > self.imbalance_margin
                 or fresh[best]["free_blocks"] < uncached_blocks):
-            return "balance", None
+            others = [r for r in fresh if r != best]
+            return "balance", min(others, key=lambda r: (load[r], -matched[r]), default=None)
         return "prefix", best
 
     def remember(self, replica, token_ids: list[int], block_size: int) -> None:
@@ -137,6 +144,26 @@ class PrefixIndex:
                           or len(recent) > _MAX_RECENT):
             recent.popitem(last=False)
 
+    def chosen(self, replica) -> None:
+        """A request was given `replica`; it counts in its load until `sent`."""
+        self._in_transit.setdefault(replica, deque()).append(time.monotonic())
+
+    def sent(self, replica) -> None:
+        """Serve sent a request to `replica` and now counts it itself."""
+        waiting = self._in_transit.get(replica)
+        if waiting:
+            waiting.popleft()
+
+    def in_transit(self, replica) -> int:
+        waiting = self._in_transit.get(replica)
+        if not waiting:
+            return 0
+        now = time.monotonic()
+        while waiting and now - waiting[0] > _IN_TRANSIT_TTL_S:
+            waiting.popleft()
+        return len(waiting)
+
     def forget(self, replica) -> None:
         self._holdings.pop(replica, None)
         self._recent.pop(replica, None)
+        self._in_transit.pop(replica, None)

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray.serve.autoscaling_policy import replica_queue_length_autoscaling_policy
 from ray.serve.config import AutoscalingConfig
 
-from deployments import metrics_hub
+from deployments import metrics_hub, routing
 from deployments.autoscaling import LLMLoadPolicy
 from deployments.metrics_hub import Pusher, collect, render
 from deployments.routing import PrefixIndex, pack_hashes
@@ -75,13 +75,40 @@ def test_a_far_busier_holder_does_not_get_the_request(prompts):
     index = PrefixIndex(imbalance_margin=8)
     stats = {"a": replica_holding([prompts["system"]]), "b": replica_holding([])}
     assert index.decide(prompts["turn"], stats, {"a": 8, "b": 0}) == ("prefix", "a")
-    assert index.decide(prompts["turn"], stats, {"a": 9, "b": 0}) == ("balance", None)
+    assert index.decide(prompts["turn"], stats, {"a": 9, "b": 0}) == ("balance", "b")
     # Without the router's own counts, the replicas' reports decide.
     stats["a"] = replica_holding([prompts["system"]], running=20, waiting=4)
-    assert index.decide(prompts["turn"], stats, {"a": None, "b": None}) == ("balance", None)
-    # A holder without the KV blocks for the rest of the prompt is skipped too.
+    assert index.decide(prompts["turn"], stats, {"a": None, "b": None}) == ("balance", "b")
+    # A holder without the KV blocks for the rest of the prompt is skipped too, for the
+    # least busy of the others.
     stats["a"] = replica_holding([prompts["system"]], free_blocks=1)
-    assert index.decide(prompts["turn"], stats, {}) == ("balance", None)
+    stats["c"] = replica_holding([], running=2)
+    assert index.decide(prompts["turn"], stats, {}) == ("balance", "b")
+
+
+def test_a_burst_routed_before_any_send_still_spreads(prompts, monkeypatch):
+    """Serve routes a burst of queued requests in one pass and counts each in a replica's
+    load only once sent: the index counts those it gave out and Serve has not sent."""
+    index = PrefixIndex(imbalance_margin=8)
+    stats = {"a": replica_holding([prompts["system"]]), "b": replica_holding([])}
+    loads = {"a": 0, "b": 0}  # Serve's counts, unchanged through the pass
+    seen = []
+    for _ in range(12):
+        decision, replica = index.decide(prompts["turn"], stats, loads)
+        seen.append(decision)
+        assert replica == ("a" if decision == "prefix" else "b")
+        index.chosen(replica)
+    # The holder until it has 9 more than the other, then they alternate.
+    assert seen == ["prefix"] * 9 + ["balance", "prefix", "balance"], seen
+    # Once Serve has sent them they are its to count, not ours twice.
+    for _ in range(10):
+        index.sent("a")
+    assert index.in_transit("a") == 0 and index.in_transit("b") == 2
+    assert index.decide(prompts["turn"], stats, loads) == ("prefix", "a")
+    # A request chosen but never sent (its caller gone) stops counting.
+    monkeypatch.setattr(routing, "_IN_TRANSIT_TTL_S", 0.0)
+    index.chosen("a")
+    assert index.in_transit("a") == 0 and index.in_transit("b") == 0
 
 
 def test_without_fresh_stats_it_falls_back(prompts):

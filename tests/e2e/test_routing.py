@@ -107,19 +107,28 @@ def test_several_calls_of_one_request_are_all_routed(sessions, llama_dir):
 
 def test_a_busy_holder_shares_its_prefix_past_the_margin(sessions, llama_dir):
     """24 requests at once, all starting with session 0's prompt (held by one replica):
-    the holder takes them until it serves 8 more than the other, then the other does."""
+    the holder takes them until it serves 8 more than the other, then the other does.
+    Whether Serve routes the burst in one pass or as it comes (timing), and however early
+    the model would stop (`ignore_eos`), the holder gets busier than the margin."""
     results, _, _ = sessions
     prefix = results["two"]["turns"][WORKLOAD.turns - 1].prompt
-    counts = decisions(httpx.get(f"{BASE}/two/metrics", timeout=10).text)
+    before = httpx.get(f"{BASE}/two/metrics", timeout=10).text
+    counts, looked_up = decisions(before), requests_per_replica(before)
 
     async def burst():
         async with httpx.AsyncClient(timeout=300) as client:
             return await asyncio.gather(*(client.post(f"{BASE}/two/v1/completions", json={
                 "model": llama_dir, "prompt": prefix + [100 + i], "max_tokens": 200,
-                "temperature": 0}) for i in range(24)))
+                "temperature": 0, "ignore_eos": True}) for i in range(24)))
 
     assert all(r.status_code == 200 for r in asyncio.run(burst()))
-    after = poll_metrics(f"{BASE}/two/metrics", until=lambda text: sum(decisions(text).values())
-                         >= sum(counts.values()) + 24)
+
+    def served_both(text):
+        return (sum(decisions(text).values()) >= sum(counts.values()) + 24
+                and all(v > looked_up.get(k, 0) for k, v in requests_per_replica(text).items()))
+
+    after = poll_metrics(f"{BASE}/two/metrics", until=served_both)
     moved = {k: v - counts.get(k, 0) for k, v in decisions(after).items()}
     assert moved.get("prefix", 0) >= 8 and moved.get("balance", 0) >= 1, moved
+    # A balance decision sends the request to the other replica: both served the burst.
+    assert served_both(after), (looked_up, requests_per_replica(after))
