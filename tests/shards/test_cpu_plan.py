@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
 
 # Run in a fresh process: pinning is for the process, not for pytest's.
 SCRIPT = """
@@ -30,8 +33,7 @@ stop.set(); t.join()
 def test_every_thread_of_the_serving_plane_is_pinned():
     cores = sorted(os.sched_getaffinity(0))
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
-                             os.path.abspath(__file__))))).stdout.splitlines()
+                         check=True, cwd=ROOT).stdout.splitlines()
     last = [cores[-1]]
     assert f"plane {last}" in out
     threads = [line for line in out if line.startswith("thread")]
