@@ -64,8 +64,8 @@ class PrefixCacheRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if best_id is None:
             return fallback
         self._remember(best_id, request)
-        # The holder (or, to balance, the least busy other) first; if its queue is full,
-        # Serve's pair.
+        # The holder (or, to balance, the least busy other; with no prefix known, the
+        # least busy) first; if its queue is full, Serve's pair.
         return [[by_id[best_id]]] + [[r for r in rank if r.replica_id != best_id]
                                      for rank in fallback]
 

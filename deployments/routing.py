@@ -9,7 +9,8 @@ by Serve in the ingress process beside the handle) computes the same chain from 
 request's token ids and sends the request to the replica holding the longest prefix,
 unless that replica is busier than the least busy one by more than `imbalance_margin`
 requests, or lacks the free KV blocks for the rest of the prompt: then the least busy
-other replica. Without fresh stats, or a known prefix, it is Serve's power-of-two choice.
+other replica. With no known prefix it is the least busy replica (ties at random), and
+Serve's power-of-two choice when some replica's load is unknown.
 A wrong guess costs a prefill, never a wrong answer: the replica looks the prefix up in
 its own cache.
 
@@ -18,11 +19,13 @@ where the router sent each prefix, for `recent_ttl_s`, so a conversation's next 
 follows the first even before the replica has reported the blocks. It also counts the
 requests it has given a replica that Serve has not sent yet: Serve adds a request to its
 load only once sent, and routes a burst of requests in one pass before sending any, so
-without that count every request of a burst would see the same loads."""
+without that count every request of a burst would see the same loads (and Serve's own
+power-of-two choice, which does not see it, would split a burst of new prompts at random)."""
 
 from __future__ import annotations
 
 import array
+import random
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -115,10 +118,11 @@ class PrefixIndex:
     def decide(self, token_ids: list[int], stats: dict, loads: dict) -> tuple[str, object]:
         """stats: replica -> its report (None if missing); loads: replica -> requests it
         is serving (None: use its report). Returns ('prefix', holder), ('balance', the
-        least busy other replica) or ('fallback', None): Serve's own choice."""
+        least busy other replica) or, with no prefix known, ('fallback', the least busy
+        replica, or None where a load is unknown: Serve's own choice)."""
         fresh = {r: s for r, s in ((r, self.fresh(s)) for r, s in stats.items()) if s}
         if not fresh or len(token_ids) < 2:
-            return "fallback", None
+            return "fallback", self._least_busy(stats, fresh, loads)
         block_size = next(iter(fresh.values()))["block_size"]
         names = chain(token_ids, block_size)
         matched = {r: self.matched_blocks(r, s, names) for r, s in fresh.items()}
@@ -126,13 +130,30 @@ class PrefixIndex:
                 + self.in_transit(r) for r, s in fresh.items()}
         best = max(fresh, key=lambda r: (matched[r], -load[r]))
         if matched[best] < self.min_match_blocks:
-            return "fallback", None
+            return "fallback", self._least_busy(stats, fresh, loads)
         uncached_blocks = -(-len(token_ids) // block_size) - matched[best]
         if (load[best] - min(load.values()) > self.imbalance_margin
                 or fresh[best]["free_blocks"] < uncached_blocks):
             others = [r for r in fresh if r != best]
             return "balance", min(others, key=lambda r: (load[r], -matched[r]), default=None)
         return "prefix", best
+
+    def _least_busy(self, replicas, fresh: dict, loads: dict):
+        """The replica with the fewest requests (Serve's count, else its report, plus
+        those in transit); None if one's load is unknown, such as a replica that has not
+        reported yet. Ties at random, so that several routers do not all pick the same."""
+        load = {}
+        for r in replicas:
+            n = loads.get(r)
+            if n is None:
+                if r not in fresh:
+                    return None
+                n = fresh[r]["running"] + fresh[r]["waiting"]
+            load[r] = n + self.in_transit(r)
+        if not load:
+            return None
+        low = min(load.values())
+        return random.choice([r for r, n in load.items() if n == low])
 
     def remember(self, replica, token_ids: list[int], block_size: int) -> None:
         recent = self._recent.setdefault(replica, OrderedDict())

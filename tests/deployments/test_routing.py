@@ -111,16 +111,45 @@ def test_a_burst_routed_before_any_send_still_spreads(prompts, monkeypatch):
     assert index.in_transit("a") == 0 and index.in_transit("b") == 0
 
 
-def test_without_fresh_stats_it_falls_back(prompts):
+def test_without_a_known_prefix_the_least_busy_else_serves_choice(prompts):
     index = PrefixIndex(stats_max_age_s=10)
     held = replica_holding([prompts["system"]])
+    # No load known for some replica (no fresh report, no count of Serve's): Serve's choice.
     assert index.decide(prompts["turn"], {"a": None, "b": None}, {}) == ("fallback", None)
     assert index.decide(prompts["turn"], {"a": {}, "b": {"v": 0}}, {}) == ("fallback", None)
     old = replica_holding([prompts["system"]], age_s=11)
     assert index.decide(prompts["turn"], {"a": old, "b": None}, {}) == ("fallback", None)
-    # No replica holds any of it: Serve's choice.
-    assert index.decide(prompts["other"], {"a": held, "b": replica_holding([])}, {}) == (
-        "fallback", None)
+    assert index.decide(prompts["other"], {"a": held, "b": None}, {}) == ("fallback", None)
+    # Every load known, by Serve's count or a report: the least busy.
+    assert index.decide(prompts["turn"], {"a": None, "b": None}, {"a": 3, "b": 1}) == (
+        "fallback", "b")
+    busy = replica_holding([prompts["system"]], running=2, waiting=1)
+    assert index.decide(prompts["other"], {"a": busy, "b": replica_holding([])}, {}) == (
+        "fallback", "b")
+    assert index.decide(prompts["other"], {"a": busy, "b": None}, {"b": 4}) == (
+        "fallback", "a")
+    # Ties at random, so that the routers of several ingress replicas do not herd.
+    picks = {index.decide(prompts["other"], {"a": held, "b": replica_holding([])}, {})[1]
+             for _ in range(64)}
+    assert picks == {"a", "b"}
+
+
+def test_a_burst_of_new_prompts_routed_before_any_send_splits_evenly(prompts):
+    """The same one-pass burst with no prefix known anywhere (Serve's power-of-two choice,
+    blind to requests not yet sent, splits it at random: 8 of 12 or worse a third of the
+    time with two replicas)."""
+    index = PrefixIndex()
+    stats = {r: replica_holding([]) for r in "abc"}
+    loads = {"a": 1, "b": 0, "c": 0}  # Serve's counts, unchanged through the pass
+    given = {r: 0 for r in stats}
+    for i in range(12):
+        decision, replica = index.decide(make_prompts(2048, [40], seed=100 + i)[0], stats, loads)
+        assert decision == "fallback"
+        given[replica] += 1
+        index.chosen(replica)
+    # 13 requests in all on three replicas: never more than one apart.
+    assert sorted(loads[r] + index.in_transit(r) for r in stats) == [4, 4, 5], given
+    assert sum(given.values()) == 12 and given["a"] <= min(given["b"], given["c"]), given
 
 
 def test_remembers_where_it_sent_a_prefix_until_reports_catch_up(prompts):
