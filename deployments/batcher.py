@@ -79,7 +79,7 @@ class Batcher:
         self.channel_counts = {"opened": 0, "messages": 0, "outputs": 0}
         self.group = ShardGroup(args.shard_config(), args.tensor_parallel_size,
                                 use_gpu=args.device == "cuda", num_cpus_per_shard=args.shard_cpus,
-                                name_prefix=prefix, compiled_graph=args.compiled_graph)
+                                name_prefix=prefix, compiled_graph=args.uses_compiled_graph)
         num_blocks = self.group.warmup(args.max_batch_prefill_tokens, args.max_batch_total_tokens)
         _, max_total_tokens = token_limits(args, model_config.max_position_embeddings)
         self.engine = LLMEngine(args.scheduler_config(max_total_tokens),
@@ -89,15 +89,15 @@ class Batcher:
         self.metrics = Metrics(BATCHER)
         self._counted = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "aborted": 0}
         self.engine_loop = AsyncEngine(self.engine, self.group.step_async, self._record_step,
-                                       max_steps_in_flight=2 if args.async_scheduling else 1)
+                                       max_steps_in_flight=args.steps_in_flight)
         self._record_gauges()
         self._packed: tuple[int, bytes] = (-1, b"")
         self.pusher = None
         if metrics_hub is not None:
             self.pusher = Pusher(metrics_hub, replica_source("Batcher"), self._families)
-        logger.info("batcher ready: tp=%d, %d KV blocks (max_batch_total_tokens=%d)",
-                    args.tensor_parallel_size, num_blocks,
-                    self.engine.scheduler.max_batch_total_tokens)
+        logger.info("batcher ready: tp=%d, %d KV blocks (max_batch_total_tokens=%d), "
+                    "%d step(s) in flight", args.tensor_parallel_size, num_blocks,
+                    self.engine.scheduler.max_batch_total_tokens, args.steps_in_flight)
 
     async def generate(self, request: GenerateInput) -> AsyncIterator[RequestOutput | Routed]:
         channel = self.channels.get(request.channel) if request.channel else None

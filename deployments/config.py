@@ -56,11 +56,12 @@ class AppArgs(BaseModel):
         "keep to its own cores, so the serving plane has the rest while decoding one "
         "sequence")
     compiled_graph: bool | None = None
-    async_scheduling: bool = Field(
-        False, description="schedule the next step while the current one runs; the shards "
-        "feed their own samples in (engine/scheduler.py). Off: on 2 CPU cores it was "
-        "+9% tok/s at concurrency 1 in throughput mode, neutral elsewhere, and admits new "
-        "requests a step later (benchmarks/NOTES.md 15)")
+    async_scheduling: bool | None = Field(
+        None, description="schedule the next step while the current one runs; the shards "
+        "feed their own samples in (engine/scheduler.py). Unset: on, unless the shards run "
+        "a compiled graph (tp > 1 by default), whose steps run one after another anyway. "
+        "On 2 CPU cores it measured +4% to +16% tok/s at concurrency 1 and 8, about even "
+        "at 24-32, and admits new requests a step later (benchmarks/NOTES.md 15, 29)")
     output_channels: bool = Field(
         True, description="a batcher replica sends each ingress replica one message per "
         "step with all its requests' outputs, instead of one per request per step "
@@ -109,6 +110,17 @@ class AppArgs(BaseModel):
     def admission(self) -> tuple[float, int]:
         """(waiting_served_ratio, max_waiting_tokens) in effect; (0, 0): every step."""
         return self.scheduler_config(1).admission
+
+    @property
+    def uses_compiled_graph(self) -> bool:
+        return self.tensor_parallel_size > 1 if self.compiled_graph is None else self.compiled_graph
+
+    @property
+    def steps_in_flight(self) -> int:
+        """2 with async scheduling; unset, it is on unless a compiled graph runs the steps
+        (one after another on the group's thread, so nothing would overlap)."""
+        on = self.async_scheduling
+        return 2 if (not self.uses_compiled_graph if on is None else on) else 1
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(

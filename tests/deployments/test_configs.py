@@ -89,3 +89,17 @@ def test_borrowing_reserved_cores_needs_reserved_cores_on_cpu(knobs):
         AppArgs(model="m", borrow_reserved_cpus=True, **knobs)
     assert AppArgs(model="m", borrow_reserved_cpus=True, reserved_cpus=1).shard_config() \
         .borrow_reserved_cpus
+
+
+@pytest.mark.parametrize(("knobs", "compiled", "in_flight"), [
+    ({}, False, 2),  # tp 1: async scheduling unless asked otherwise
+    ({"async_scheduling": False}, False, 1),
+    ({"tensor_parallel_size": 2}, True, 1),  # a compiled graph runs steps one by one
+    ({"tensor_parallel_size": 2, "compiled_graph": False}, False, 2),
+    ({"tensor_parallel_size": 2, "async_scheduling": True}, True, 2),
+    ({"compiled_graph": True}, True, 1),
+])
+def test_async_scheduling_is_on_unless_a_compiled_graph_runs_the_steps(knobs, compiled,
+                                                                       in_flight):
+    args = AppArgs(model="m", **knobs)
+    assert (args.uses_compiled_graph, args.steps_in_flight) == (compiled, in_flight)
