@@ -135,9 +135,8 @@ def test_without_a_known_prefix_the_least_busy_else_serves_choice(prompts):
 
 
 def test_a_burst_of_new_prompts_routed_before_any_send_splits_evenly(prompts):
-    """The same one-pass burst with no prefix known anywhere (Serve's power-of-two choice,
-    blind to requests not yet sent, splits it at random: 8 of 12 or worse a third of the
-    time with two replicas)."""
+    """The same one-pass burst with no prefix known anywhere: Serve's power-of-two choice,
+    blind to the requests not yet sent, would split it at random."""
     index = PrefixIndex()
     stats = {r: replica_holding([]) for r in "abc"}
     loads = {"a": 1, "b": 0, "c": 0}  # Serve's counts, unchanged through the pass
