@@ -202,9 +202,14 @@ class ShardGroup:
         if not self.healthy:  # say why, rather than that the executor is shut down
             raise ShardError(self.error or "shard group is shut down")
         loop = asyncio.get_running_loop()
-        if self.use_compiled_graph:
-            return loop.run_in_executor(self._executor, self.step, step_input)
-        return loop.run_in_executor(self._executor, self._wait, self._submit(step_input))
+        try:
+            if self.use_compiled_graph:
+                return loop.run_in_executor(self._executor, self.step, step_input)
+            return loop.run_in_executor(self._executor, self._wait, self._submit(step_input))
+        except RuntimeError:  # the watchdog failed the group after the check above
+            if self.healthy:
+                raise
+            raise ShardError(self.error or "shard group is shut down") from None
 
     # -- liveness --------------------------------------------------------------------
     def _watch(self) -> None:

@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import ray
+from ray.exceptions import RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 
 from engine.async_engine import AsyncEngine
@@ -256,6 +258,33 @@ def test_a_failure_that_is_no_death_names_what_failed(llama_dir, tokenizer):
         assert not llm.group.healthy and not llm.group.check_health()
     finally:
         llm.group.shutdown()
+
+
+@pytest.mark.parametrize("compiled_graph", [True, False], ids=["compiled", "actor-calls"])
+def test_a_step_started_as_the_watchdog_fails_the_group_names_the_dead_rank(
+        llama_dir, compiled_graph):
+    """The watchdog may fail the group (and shut its executor) between step_async's health
+    check and its hand-off to the executor: the caller must still learn which rank died,
+    not that the executor is shut down."""
+    group = ShardGroup(ShardConfig(model=llama_dir, num_blocks=8), 1, num_cpus_per_shard=0.5,
+                       compiled_graph=compiled_graph)
+
+    class FailedOnSubmit(ThreadPoolExecutor):
+        def submit(self, *args, **kwargs):
+            group._fail(0, RayActorError(error_msg="rank 0 is dead"))  # the watchdog's move
+            return super().submit(*args, **kwargs)
+
+    group._executor = FailedOnSubmit(1)
+
+    async def main():
+        return group.step_async(StepInput([], [], {}))
+
+    try:
+        with pytest.raises(ShardError, match=r"^shard rank 0 died"):
+            asyncio.run(main())
+        assert not group.healthy
+    finally:
+        group.shutdown()
 
 
 @pytest.mark.parametrize("compiled_graph", [True, False], ids=["compiled", "actor-calls"])
