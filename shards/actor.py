@@ -126,4 +126,5 @@ class ShardActor:
             "device": str(self.runner.device) if self.runner else None,
             "torch_threads": torch.get_num_threads(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)),
+            "one_row_weights": self.runner.one_row_weights if self.runner else None,
         }

@@ -56,11 +56,20 @@ class _Matmul(nn.Module):
     for it (`pack_for_onednn`): measured on this project's AMD CPU machine, oneDNN's
     products run 2-3x faster than MKL's at every row count a step has (one row: 42-58
     vs 16 GB/s; benchmarks/NOTES.md). oneDNN is also what vLLM's CPU backend and
-    inductor use. Same arithmetic, another summation order."""
+    inductor use. Same arithmetic, another summation order.
+
+    Where one-token steps run on one thread, one-row products instead go through MKL on a
+    K x N copy of the weight (`transposed`): on one thread MKL streams a weight past one
+    row faster than oneDNN does (a batch-1 step's linears 24-25 against 35-39 ms on that
+    machine; benchmarks/NOTES.md 31). At two rows they tie, and from four oneDNN wins."""
 
     packed: torch.Tensor | None = None
+    transposed: torch.Tensor | None = None
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.transposed is not None and x.shape[0] == 1:
+            out = torch.mm(x, self.transposed)
+            return out if bias is None else out.add_(bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
@@ -71,9 +80,11 @@ def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
-def pack_for_onednn(model: nn.Module, batch_hint: int = ONEDNN_BATCH_HINT) -> int:
+def pack_for_onednn(model: nn.Module, batch_hint: int = ONEDNN_BATCH_HINT,
+                    one_row_copy: bool = False) -> int:
     """Reorder every linear weight into oneDNN's blocked layout; a weight that nothing
-    else shares (the embedding, when tied) is then freed, so memory stays one copy.
+    else shares (the embedding, when tied) is then freed, so memory stays one copy, or two
+    with `one_row_copy` (each weight also kept K x N for one-row products, `_Matmul`).
     Returns the bytes packed."""
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
@@ -84,6 +95,8 @@ def pack_for_onednn(model: nn.Module, batch_hint: int = ONEDNN_BATCH_HINT) -> in
             continue
         weight = module.weight
         module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+        if one_row_copy:
+            module.transposed = weight.detach().t().contiguous()
         packed += weight.numel() * weight.element_size()
         if uses[id(weight)] == 1:
             weight.data = weight.data.new_empty(0)

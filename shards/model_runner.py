@@ -85,6 +85,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self._cores: dict[bool, tuple[list[int], int]] = {}  # one token? -> (cores, threads)
         self._one_token: bool | None = None  # the kind of the last step (which cores it used)
+        self.one_row_weights = False  # a second copy of the weights for one-row products
         if self.device.type == "cpu":
             every = sorted(os.sched_getaffinity(0))
             threads = config.cpu_threads or len(every)
@@ -132,10 +133,15 @@ class ModelRunner:
         if self.compiled:
             raise ValueError("cpu_matmul=onednn and torch_compile exclude each other "
                              "(the compiled forward prepacks its own weights)")
+        # One-token steps on one thread (cpu_threads=1, or the core plan's own core): their
+        # one-row products are faster through MKL on a second, K x N copy of the weights.
+        one_token_threads = self._cores[True][1] if self._cores else torch.get_num_threads()
+        self.one_row_weights = choice == "auto" and one_token_threads == 1
         t0 = time.perf_counter()
-        size = pack_for_onednn(self.model)
-        logger.info("weights reordered for oneDNN: %.0f MB in %.1f s", size / 2**20,
-                    time.perf_counter() - t0)
+        size = pack_for_onednn(self.model, one_row_copy=self.one_row_weights)
+        logger.info("weights reordered for oneDNN: %.0f MB in %.1f s%s", size / 2**20,
+                    time.perf_counter() - t0, "; and a K x N copy for one-token steps on one "
+                    "thread (cpu_matmul=onednn: none)" if self.one_row_weights else "")
         return "onednn"
 
     # -- KV cache ----------------------------------------------------------------------

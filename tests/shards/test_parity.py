@@ -168,6 +168,44 @@ def test_either_cpu_matmul_matches_transformers(cpu_matmul, arch, llama_dir, qwe
     assert got == references(model_dir, parity_prompts, PARITY_NEW_TOKENS)
 
 
+@pytest.fixture
+def keep_torch_threads():
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)  # an in-process runner sized this process's threads
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_one_thread_one_row_products_match_transformers(arch, llama_dir, qwen2_dir,
+                                                        parity_prompts, keep_torch_threads):
+    # One-token steps on one thread go through MKL on a K x N copy of each weight (the
+    # lm head's own, where qwen2 ties it to the embedding); more rows through oneDNN.
+    import torch
+
+    from shards.layers import _Matmul
+
+    model_dir = llama_dir if arch == "llama" else qwen2_dir
+    llm = LLM(model_dir, num_blocks=256, cpu_threads=1, device="cpu")
+    linears = [m for m in llm.runner.model.modules() if isinstance(m, _Matmul)]
+    assert llm.runner.one_row_weights and torch.get_num_threads() == 1
+    assert all(m.transposed is not None and m.packed is not None for m in linears)
+    calls = []
+    mm = torch.mm
+    try:
+        torch.mm = lambda a, b: calls.append(a.shape[0]) or mm(a, b)
+        got, _ = run_staggered(llm, parity_prompts, PARITY_NEW_TOKENS)
+    finally:
+        torch.mm = mm
+    assert calls and set(calls) == {1}  # one-row products took the copy, and only they
+    assert got == references(model_dir, parity_prompts, PARITY_NEW_TOKENS)
+    explicit = LLM(model_dir, num_blocks=16, cpu_threads=1, cpu_matmul="onednn", device="cpu")
+    assert not explicit.runner.one_row_weights  # onednn: one copy of the weights
+    assert all(m.transposed is None for m in explicit.runner.model.modules()
+               if isinstance(m, _Matmul))
+
+
 def test_cpu_matmul_refuses_what_it_cannot_do(llama_dir):
     with pytest.raises(ValueError, match="exclude each other"):
         LLM(llama_dir, num_blocks=16, cpu_matmul="onednn", torch_compile=True, device="cpu")

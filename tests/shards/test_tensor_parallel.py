@@ -341,16 +341,18 @@ def test_constrained_output_at_tp2_equals_one_shard(llama_dir, tokenizer):
     assert [got[f"g{i}"] for i in range(len(prompts))] == expected
 
 
-@pytest.mark.parametrize(("tp", "reserved", "threads", "affinities", "borrow"), [
-    (1, 0, None, [[0, 1]], False),  # today's default: the whole node, two threads
-    (1, 1, None, [[0]], False),  # one pinned thread, core 1 left to the serving plane
-    (2, 0, None, [[0], [1]], False),  # each rank its own core
-    (1, 0, 1, [[0, 1]], False),  # cpu_threads still wins over the slice's size
-    (1, 1, None, [[0, 1]], True),  # borrowing: both cores until a one-token step (below)
-    (2, 1, None, [[0], [0]], True),  # two ranks on the node: nothing to borrow
+# one_row: one-token steps run on one thread, so the rank keeps a K x N copy of its
+# weights for one-row products (shards/layers.py).
+@pytest.mark.parametrize(("tp", "reserved", "threads", "affinities", "borrow", "one_row"), [
+    (1, 0, None, [[0, 1]], False, False),  # today's default: the whole node, two threads
+    (1, 1, None, [[0]], False, True),  # one pinned thread, core 1 left to the serving plane
+    (2, 0, None, [[0], [1]], False, True),  # each rank its own core
+    (1, 0, 1, [[0, 1]], False, True),  # cpu_threads still wins over the slice's size
+    (1, 1, None, [[0, 1]], True, True),  # borrowing: both cores until a one-token step
+    (2, 1, None, [[0], [0]], True, True),  # two ranks on the node: nothing to borrow
 ])
 def test_core_plan_pins_each_rank_and_sizes_its_threads(llama_dir, tp, reserved, threads,
-                                                        affinities, borrow):
+                                                        affinities, borrow, one_row):
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) != 2:
         pytest.skip("written for this project's 2-core machines")
@@ -364,13 +366,15 @@ def test_core_plan_pins_each_rank_and_sizes_its_threads(llama_dir, tp, reserved,
         group.shutdown()
     assert [p["cpu_affinity"] for p in placements] == affinities
     assert [p["torch_threads"] for p in placements] == [threads or len(a) for a in affinities]
+    assert [p["one_row_weights"] for p in placements] == [one_row] * tp
 
 
 def test_borrowed_cores_run_big_steps_and_one_token_steps_keep_to_their_own(llama_dir,
                                                                            tokenizer):
     """reserved_cpus=1 with borrow_reserved_cpus: the rank's affinity spans both cores; a
     step of several tokens runs two threads, a one-token step moves to core 0 with one
-    thread (read back from the actor after each kind of step); output still transformers'."""
+    thread (read back from the actor after each kind of step), its one-row products through
+    the weights' K x N copy; output still transformers'."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) != 2:
         pytest.skip("written for this project's 2-core machines")
@@ -395,6 +399,7 @@ def test_borrowed_cores_run_big_steps_and_one_token_steps_keep_to_their_own(llam
         llm.group.shutdown()
     assert (big["cpu_affinity"], big["torch_threads"]) == (cores, 2)
     assert (one["cpu_affinity"], one["torch_threads"]) == ([cores[0]], 1)
+    assert one["one_row_weights"]
     assert tokens == hf_greedy(llama_dir, prompt[:-1] + [prompt[-1] % 100 + 5], 6)
     assert outs == {f"r{i}": hf_greedy(llama_dir, p, n)
                     for i, (p, n) in enumerate(zip(prompts, PARITY_NEW_TOKENS, strict=True))}
