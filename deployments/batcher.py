@@ -28,7 +28,6 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.request import FinishReason
-from shards.cpu_plan import pin_serving_plane
 from shards.demo_model import ensure_demo_model
 from shards.group import ShardGroup
 from shards.model_config import ModelConfig
@@ -64,7 +63,6 @@ class Channel:
 class Batcher:
     def __init__(self, args: AppArgs, metrics_hub=None):
         self.args = args
-        self.cpus = pin_serving_plane(args.reserved_cpus)
         if args.model == DEMO_MODEL:
             ensure_demo_model(args.model)
         model_config = ModelConfig.from_pretrained(args.model)

@@ -46,10 +46,13 @@ class AppArgs(BaseModel):
         "parts at start-up (shards/compiled.py)")
     cpu_matmul: Literal["auto", "onednn", "torch"] = Field(
         "auto", description="who multiplies by the weights on CPU: oneDNN on weights "
-        "reordered at start-up (auto, unless torch_compile) or torch (MKL)")
+        "reordered at start-up (auto, unless torch_compile) or torch (MKL). Where one-token "
+        "steps run on one thread, auto also keeps a second copy of the weights for MKL's "
+        "one-row product, faster there; onednn keeps one copy")
     reserved_cpus: int = Field(
-        0, ge=0, description="cores per node for the serving plane (ingress, batcher); the "
-        "shards split the others, each rank pinned to its own slice")
+        0, ge=0, description="cores per node the shards leave to the serving plane "
+        "(ingress, batcher, Ray); the shards split the others, each rank pinned to its "
+        "own slice")
     borrow_reserved_cpus: bool = Field(
         False, description="with reserved_cpus, a rank alone on its node runs steps of "
         "more than one token on the reserved cores too (a thread each); one-token steps "

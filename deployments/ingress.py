@@ -24,7 +24,6 @@ from deployments.metrics_hub import Pusher, collect, render, replica_source
 from deployments.openai_api import OpenAIApi
 from deployments.routing import router_families
 from deployments.tgi_api import TGIApi
-from shards.cpu_plan import pin_serving_plane
 from shards.demo_model import ensure_demo_model
 from shards.model_config import ModelConfig
 
@@ -60,7 +59,6 @@ app.openapi = _openapi
 class Ingress:
     def __init__(self, batcher, args: AppArgs, metrics_hub=None):
         self.args = args
-        pin_serving_plane(args.reserved_cpus)
         if args.model == DEMO_MODEL:
             ensure_demo_model(args.model)
         self.batcher = batcher

@@ -1,14 +1,16 @@
-"""Which cores each process of a node uses: the core plan.
+"""Which cores the shards of a node use: the core plan.
 
 The shards' torch threads spin while they wait for work, so any other process that wakes
 on one of their cores (Ray's daemons, the proxy, the ingress, the batcher) preempts a
-thread the whole forward then waits for. With `reserved_cpus` = k, the last k cores of
-the node are the serving plane's; the shards split the others, each rank on the node its
-own slice (threads = the slice's size unless `cpu_threads` says otherwise). With k = 0
-the shards still get disjoint slices, and nothing else is pinned. A rank alone on its node
-may borrow the reserved cores for steps of more than one token (`borrow_reserved_cpus`):
-its one-token steps keep to its own cores, so decoding one sequence never shares a core
-with the serving plane, and prefill still has every core."""
+thread the whole forward then waits for. With `reserved_cpus` = k, the shards keep off
+the last k cores of the node and split the others, each rank on the node its own slice
+(threads = the slice's size unless `cpu_threads` says otherwise); the serving plane is
+not pinned, and the kernel runs it where the shards are not (pinning it to the reserved
+cores measured 4-10% slower: it then queues behind itself; benchmarks/NOTES.md 27). With
+k = 0 the shards still get disjoint slices. A rank alone on its node may borrow the
+reserved cores for steps of more than one token (`borrow_reserved_cpus`): its one-token
+steps keep to its own cores, so decoding one sequence never waits for a preempted thread,
+and prefill still has every core."""
 
 from __future__ import annotations
 
@@ -40,16 +42,3 @@ def borrowed_cores(cores: list[int], reserved: int, local_count: int) -> list[in
     """The reserved cores a rank may borrow for its bigger steps: all of them when it is
     the only rank on the node, none otherwise (ranks would contend for them)."""
     return split(cores, reserved)[1] if local_count == 1 else []
-
-
-def pin_serving_plane(reserved: int) -> list[int]:
-    """Pin this process (an ingress or batcher replica) to the reserved cores; [] when
-    nothing is reserved (it then runs anywhere). Every thread: Linux pins one thread per
-    call, and the replica's event loop and Ray's threads exist before its constructor."""
-    _, plane = split(available_cores(), reserved)
-    for tid in os.listdir("/proc/self/task") if plane else []:
-        try:
-            os.sched_setaffinity(int(tid), plane)
-        except ProcessLookupError:
-            pass  # the thread ended meanwhile
-    return plane
