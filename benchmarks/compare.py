@@ -236,20 +236,32 @@ def run_load(workload: Workload, concurrency: int, args: argparse.Namespace) -> 
     return asyncio.run(load.run(load.parse_args(argv)))
 
 
-def measure_limit(workload: Workload, args: argparse.Namespace, out_dir: Path) -> dict:
-    """The forward alone, in a fresh process (its own torch threads, nothing else running)."""
-    result = out_dir / f"limit-{workload.name}.json"
-    batches = ",".join(map(str, workload.concurrency))
+def _run_limit(workload: Workload, args: argparse.Namespace, result: Path, batches: list[int],
+               cores: set[int] | None = None) -> dict:
     subprocess.run([sys.executable, "-m", "benchmarks.limit", "--model", args.model,
                     "--input-len", str(workload.input_len), "--output-len",
-                    str(workload.mean_output), "--batch-sizes", batches,
+                    str(workload.mean_output), "--batch-sizes", ",".join(map(str, batches)),
                     "--result-file", str(result)], cwd=ROOT, check=True,
-                   env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    data = json.loads(result.read_text())
+                   env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                   preexec_fn=None if cores is None else lambda: os.sched_setaffinity(0, cores))
+    return json.loads(result.read_text())
+
+
+def measure_limit(workload: Workload, args: argparse.Namespace, out_dir: Path) -> dict:
+    """The forward alone, in a fresh process (its own torch threads, nothing else running).
+    At concurrency 1 also the one-token step on one core, one thread: what the core plan
+    (serve_config.yaml) runs, so that its ITL can be told apart from its forward."""
+    data = _run_limit(workload, args, out_dir / f"limit-{workload.name}.json",
+                      workload.concurrency)
     timings = data["timings"]
-    return {int(c): {"output_throughput": limit, "prefill_ms": timings["prefill_s"] * 1000,
-                     "decode_step_ms": timings["decode_step_s"][c] * 1000}
-            for c, limit in data["limit_output_tok_s"].items()}
+    cells = {int(c): {"output_throughput": limit, "prefill_ms": timings["prefill_s"] * 1000,
+                      "decode_step_ms": timings["decode_step_s"][c] * 1000}
+             for c, limit in data["limit_output_tok_s"].items()}
+    if 1 in cells:
+        one = _run_limit(workload, args, out_dir / f"limit-{workload.name}-one-core.json", [1],
+                         cores={min(os.sched_getaffinity(0))})
+        cells[1]["one_thread_step_ms"] = one["timings"]["decode_step_s"]["1"] * 1000
+    return cells
 
 
 def merge_passes(cells: list[dict]) -> dict:
@@ -295,6 +307,9 @@ def table(results: dict, workloads: list[Workload]) -> str:
                 lines.append(f"{'limit (forward only)':<36}{c:>5}{lim['output_throughput']:>11.1f}"
                              f"{100:>8}%{lim['prefill_ms']:>10.0f}{'':>10}"
                              f"{lim['decode_step_ms']:>9.0f}")
+                if "one_thread_step_ms" in lim:
+                    lines.append(f"{'limit, one-token step on one core':<36}{c:>5}{'':>11}{'':>9}"
+                                 f"{'':>10}{'':>10}{lim['one_thread_step_ms']:>9.0f}")
             for name, by_c in rows.items():
                 s = by_c.get(c) if name != "limit" else None
                 if not s:

@@ -35,9 +35,14 @@ def test_compare_runs_each_server_in_turn_on_the_same_prompts(llama_dir, tmp_pat
             assert ours["median_itl_ms"] is not None  # raygen streams token by token ...
             assert peer["median_itl_ms"] is None  # ... the static batch answers at once
             assert rows["limit"][c]["output_throughput"] > 0
+    # At concurrency 1 the limit also times the core plan's step: one core, one thread.
+    limit_1 = result["results"]["prefill-heavy"]["limit"][1]
+    assert limit_1["one_thread_step_ms"] > 0 and "one_thread_step_ms" not in \
+        result["results"]["prefill-heavy"]["limit"][2]
     # Text prompts of exactly 128 tokens, plus the BOS the server adds.
     assert result["results"]["prefill-heavy"]["raygen TP=1"][1]["total_input_tokens"] == 3 * 129
     assert "raygen / best peer" in printed and "limit (forward only)" in printed
+    assert "one-token step on one core" in printed
 
 
 def test_passes_alternate_the_server_order_and_report_means(llama_dir, tmp_path, monkeypatch):
