@@ -69,6 +69,11 @@ class AppArgs(BaseModel):
         True, description="a batcher replica sends each ingress replica one message per "
         "step with all its requests' outputs, instead of one per request per step "
         "(deployments/channels.py)")
+    replica_fast_path: bool = Field(
+        True, description="the ingress and batcher replicas run with Serve throughput "
+        "mode's in-process settings (user code on the replica's main loop, and three "
+        "more; deployments/app.py), also under Serve's defaults; a variable set in the "
+        "environment wins")
     debug_prefill_delay_s: float = Field(
         0.0, ge=0, description="testing only: shards sleep this long before each step that "
                                "admits requests (long steps without long prompts)")

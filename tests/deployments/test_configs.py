@@ -103,3 +103,24 @@ def test_async_scheduling_is_on_unless_a_compiled_graph_runs_the_steps(knobs, co
                                                                        in_flight):
     args = AppArgs(model="m", **knobs)
     assert (args.uses_compiled_graph, args.steps_in_flight) == (compiled, in_flight)
+
+
+def test_replicas_get_throughput_modes_in_process_settings_unless_the_environment_says():
+    """Under Serve's defaults too, the ingress and batcher replicas run user code on their
+    main loop (and three more of throughput mode's settings) through their runtime_env; a
+    variable already set where the app is built wins, and the knob turns it off."""
+    from deployments.app import REPLICA_ENV, replica_actor_options
+
+    args = AppArgs(model="m")
+    options = replica_actor_options(args, 0.1, environ={})
+    assert options == {"num_cpus": 0.1, "runtime_env": {"env_vars": REPLICA_ENV}}
+    assert REPLICA_ENV["RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD"] == "0"
+
+    mine = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "1"}
+    env = replica_actor_options(args, 0, environ=mine)["runtime_env"]["env_vars"]
+    assert "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD" not in env
+    assert set(env) == set(REPLICA_ENV) - set(mine)
+    assert replica_actor_options(args, 0, environ=REPLICA_ENV) == {"num_cpus": 0}
+
+    off = AppArgs(model="m", replica_fast_path=False)
+    assert replica_actor_options(off, 0, environ={}) == {"num_cpus": 0}

@@ -45,6 +45,18 @@ def listener(port: int) -> str | None:
     return None
 
 
+def replica_environ(deployment: str) -> dict[str, str]:
+    """The environment of the Serve replica process of `deployment` (Ray names its worker
+    processes `ray::ServeReplica:<app>:<deployment>`), from /proc."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode().strip()
+            if title.startswith("ray::ServeReplica:") and title.endswith(f":{deployment}"):
+                entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                return dict(e.decode().partition("=")[::2] for e in entries if b"=" in e)
+    raise LookupError(f"no replica process of {deployment}")
+
+
 @contextlib.contextmanager
 def serve_run(args: list[str], log: Path, env: dict[str, str] | None = None,
               start_timeout: float = 240, target: str = "deployments.app:build_app",

@@ -17,7 +17,7 @@ from text_generation import AsyncClient, Client
 
 from engine.sampling_params import SamplingParams
 from shards.offline import LLM
-from tests.e2e.serving import BASE, ROOT, listener, serve_run
+from tests.e2e.serving import BASE, ROOT, listener, replica_environ, serve_run
 
 
 @pytest.fixture(scope="module", params=["default", "config"])
@@ -44,6 +44,17 @@ def test_the_shipped_config_serves_through_haproxy(server):
     owner = listener(8000)
     assert (owner == "haproxy") == (server == "config"), owner
     assert httpx.get(BASE + "/health", timeout=10).status_code == 200
+
+
+def test_replicas_run_user_code_on_their_main_loop_in_both_modes(server):
+    """Throughput mode's in-process settings reach the ingress and batcher replicas under
+    Serve's defaults as well (the builder sets them in their runtime_env): the variables
+    that Serve's constants read at import are in each replica process's environment."""
+    from deployments.app import REPLICA_ENV
+
+    for deployment in ("Ingress", "Batcher"):
+        environ = replica_environ(deployment)
+        assert {k: environ.get(k) for k in REPLICA_ENV} == REPLICA_ENV, deployment
 
 
 @pytest.fixture(scope="module")
