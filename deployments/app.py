@@ -36,8 +36,9 @@ BatcherDeployment = serve.deployment(
 # on the replica's main loop rather than a thread of its own, the handle's router on the
 # caller's loop, request logs buffered, the start-up heap frozen out of the GC. Set through
 # the replicas' runtime_env, a plain `serve run deployments.app:build_app` gets them beside
-# Serve's proxy actor: +7% to +14% output tok/s on 2 cores with the core plan
-# (benchmarks/NOTES.md 35; entry 14, without the plan, measured nothing).
+# Serve's proxy actor: with the core plan on 2 cores, +11% to +14% output tok/s at
+# concurrency 1 and about even at 32 (benchmarks/NOTES.md 35; entry 14, before the plan,
+# measured nothing).
 REPLICA_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
