@@ -46,7 +46,7 @@ def test_the_shipped_config_serves_through_haproxy(server):
     assert httpx.get(BASE + "/health", timeout=10).status_code == 200
 
 
-def test_replicas_run_user_code_on_their_main_loop_in_both_modes(server):
+def test_replicas_get_throughput_modes_in_process_settings_in_both_modes(server):
     """Throughput mode's in-process settings reach the ingress and batcher replicas under
     Serve's defaults as well (the builder sets them in their runtime_env): the variables
     that Serve's constants read at import are in each replica process's environment."""
