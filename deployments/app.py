@@ -20,12 +20,15 @@ from deployments.router import ROUTER_PATH
 # then the handle refuses and the ingress answers 503. Serve replaces a replica after three
 # failed health checks in a row; the check is a GCS read (no call to a busy shard), so a
 # short period costs nothing and a dead shard's replica is replaced in about 6 s, not 15.
+# A stopping replica checks for drained requests every 0.5 s, not Serve's 2 s (an ingress
+# closes its output channels when it stops: `serve shutdown` of an app that had just
+# served went from 11.3 to 5.7 s, benchmarks/NOTES.md 36).
 # Requests go to the replica holding their prompt's prefix (deployments/router.py), from
 # stats each replica reports every second; a config's `request_router_config` replaces it.
 BatcherDeployment = serve.deployment(
     Batcher, name="Batcher", max_ongoing_requests=256, max_queued_requests=512,
     health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=60,
-    graceful_shutdown_wait_loop_s=2,
+    graceful_shutdown_wait_loop_s=0.5,
     request_router_config=RequestRouterConfig(
         request_router_class=ROUTER_PATH, request_routing_stats_period_s=1.0,
         request_routing_stats_timeout_s=5.0))

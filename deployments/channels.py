@@ -116,6 +116,13 @@ class OutputChannels:
             queue.put_nowait(exc)
 
     # -- channels --------------------------------------------------------------------
+    def close(self) -> None:
+        """End every channel: this ingress replica is going away. A channel is a call
+        that a batcher replica counts as ongoing, so an open one would hold that replica's
+        shutdown until it ended idle. Call on the loop the channels run on."""
+        for task in list(self.tasks):
+            task.cancel()
+
     def _want(self, replica_id: str) -> None:
         if replica_id in self.replicas or replica_id in self.opening:
             return

@@ -71,8 +71,9 @@ class Ingress:
         self.admission = Admission(self.metrics, args.max_concurrent_requests,
                                    args.payload_limit, args.resolved_api_key)
         streaming = batcher.options(stream=True)
+        self.channels: OutputChannels | None = None
         if args.output_channels:  # one message per step per batcher replica (channels.py)
-            streaming = OutputChannels(streaming)
+            streaming = self.channels = OutputChannels(streaming)
         self.tgi = TGIApi(self.admission, grammars, streaming, tokenizer, self.limits, args.device)
         self.openai = OpenAIApi(self.admission, grammars, streaming, tokenizer, self.limits,
                                 args.max_n, args.model_name)
@@ -83,6 +84,14 @@ class Ingress:
 
     def _families(self):
         return collect(self.metrics.registry) + router_families()
+
+    def __del__(self):
+        """Serve calls this on the replica's loop once its requests have drained. Ending
+        the output channels here lets the batcher replicas drain at once; each would
+        otherwise wait for its channel to end idle (CHANNEL_IDLE_S) before stopping."""
+        channels = getattr(self, "channels", None)
+        if channels is not None:
+            channels.close()
 
     async def check_health(self) -> None:
         """Serve's periodic check: the ingress has nothing that can fail alone; it starts

@@ -248,3 +248,41 @@ def test_the_router_sends_a_channel_to_the_replica_it_names():
         pending = SimpleNamespace(args=[OpenChannel("ingress", "ch", target)], kwargs={})
         ranked = asyncio.run(router.choose_replicas(replicas, pending))
         assert [[r.replica_id.unique_id for r in rank] for rank in ranked] == [[target]]
+
+
+def test_closing_ends_every_channel_and_fails_what_it_still_carried():
+    """An ingress replica that stops closes its channels: each is a call its batcher
+    replica counts as ongoing, which would hold that replica's shutdown until it ended idle."""
+    async def main():
+        batcher = Batcher()
+        channels = OutputChannels(batcher)
+        channel_id, channel = await open_channel(batcher, channels)
+        task, _ = await start(batcher, channels, 1, Routed("A", channel_id))
+        channels.close()
+        with pytest.raises(ChannelError, match="the ingress closed it"):
+            await asyncio.wait_for(task, 5)
+        assert channel.cancelled  # the batcher replica's side of the call ends too
+        assert channels.replicas == {} and not channels.tasks
+
+    asyncio.run(main())
+
+
+def test_the_ingress_closes_its_channels_when_serve_stops_it(llama_dir):
+    """Serve calls an ingress's __del__ on its loop once the replica's requests drained
+    (serve.ingress wraps it); that is where the channels close."""
+    from deployments.config import AppArgs
+    from deployments.ingress import Ingress
+
+    user_class = next(c for c in Ingress.func_or_class.__mro__ if c.__dict__.get("generate"))
+    batcher = Batcher()
+    batcher.options = lambda **kw: batcher
+
+    async def main():
+        ingress = user_class(batcher, AppArgs(model=llama_dir))
+        assert isinstance(ingress.channels, OutputChannels)
+        _, channel = await open_channel(batcher, ingress.channels)
+        ingress.__del__()
+        await settle()
+        assert channel.cancelled and ingress.channels.replicas == {}
+
+    asyncio.run(main())
