@@ -121,7 +121,8 @@ class OutputChannels:
         that a batcher replica counts as ongoing, so an open one would hold that replica's
         shutdown until it ended idle. Call on the loop the channels run on."""
         for task in list(self.tasks):
-            task.cancel()
+            if not task.get_loop().is_closed():  # the GC may call it after the loop ended
+                task.cancel()
 
     def _want(self, replica_id: str) -> None:
         if replica_id in self.replicas or replica_id in self.opening:
