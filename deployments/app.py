@@ -3,9 +3,13 @@
 the config's `deployments:` section; the builder sets what the model dictates."""
 
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, MutableMapping
 
+import click
+import ray
 from ray import serve
+from ray._private.services import canonicalize_bootstrap_address
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
@@ -61,10 +65,59 @@ def replica_actor_options(args: AppArgs, num_cpus: float,
     return options
 
 
+# Serve's throughput mode itself (HAProxy on the HTTP port forwarding straight to the
+# ingress replica, gRPC between replicas) is chosen where Serve's controller starts, from its
+# environment: serve_config.yaml sets these in `controller_options`. `serve run IMPORT_PATH`
+# has no such option, but it calls this builder before it starts Ray, and the Ray instance
+# it starts inherits the CLI process's environment, as it would from
+# `RAY_SERVE_THROUGHPUT_OPTIMIZED=1 ... serve run`. Under Serve's proxy actor the serving
+# plane costs 2.1 ms of CPU per token on 2 cores against 0.9 ms (benchmarks/NOTES.md 36).
+# On Ctrl-C the ingress waits the draining period for load balancers to stop sending to it
+# (Ray's default, 30 s, is for clusters; HAProxy retries refused connections).
+THROUGHPUT_MODE_ENV = {
+    "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+    "RAY_SERVE_ENABLE_HA_PROXY": "1",
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
+}
+
+
+def serve_run_starts_ray() -> bool:
+    """True inside `serve run IMPORT_PATH` when its `ray.init` will start a fresh local Ray
+    instance: the CLI's own --address (default $RAY_ADDRESS), resolved as `ray.init`
+    resolves it (an address, or a running local cluster, means it connects instead)."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None or ctx.command.name != "run" or ray.is_initialized():
+        return False
+    try:
+        return canonicalize_bootstrap_address(ctx.params.get("address")) is None
+    except (ConnectionError, ValueError):  # `ray.init` will fail with the same error
+        return False
+
+
+def start_ray_in_throughput_mode(args: AppArgs, starts_ray: bool | None = None,
+                                 environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """With `serve_throughput_mode`, where `serve run` is about to start Ray: sets throughput
+    mode's variables that `environ` does not set itself, and returns them. A cluster that
+    already runs keeps its mode (variables here would reach only the CLI process); a config
+    file's builder runs inside the cluster, where its controller_options decide."""
+    if starts_ray is None:
+        starts_ray = serve_run_starts_ray()
+    if not args.serve_throughput_mode or not starts_ray:
+        return {}
+    env = {k: v for k, v in THROUGHPUT_MODE_ENV.items() if k not in environ}
+    environ.update(env)
+    if env:  # the CLI configures no logging before it starts Ray: straight to its stderr
+        print(f"raygen: serve_throughput_mode: the Ray instance that `serve run` starts runs "
+              f"Serve's throughput mode ({' '.join(f'{k}={v}' for k, v in env.items())}); "
+              f"serve_throughput_mode=false keeps Serve's proxy actor", file=sys.stderr)
+    return env
+
+
 def build_app(args: AppArgs) -> Application:
     # Serve validates against the annotation; a dict still arrives from older callers.
     if not isinstance(args, AppArgs):
         args = AppArgs.model_validate(args)
+    start_ray_in_throughput_mode(args)
     hub = MetricsHub.bind()  # one /metrics for every replica (deployments/metrics_hub.py)
     batcher = BatcherDeployment.options(
         ray_actor_options=replica_actor_options(

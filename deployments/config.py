@@ -74,6 +74,12 @@ class AppArgs(BaseModel):
         "mode's in-process settings (user code on the replica's main loop, and three "
         "more; deployments/app.py), also under Serve's defaults; a variable set in the "
         "environment wins")
+    serve_throughput_mode: bool = Field(
+        True, description="`serve run deployments.app:build_app ...` (an import path, not a "
+        "config file) starts its fresh Ray instance with Serve's throughput mode (HAProxy on "
+        "the HTTP port, gRPC between replicas), as serve_config.yaml's controller_options "
+        "do; no effect where Ray already runs or a variable is already set "
+        "(deployments/app.py)")
     debug_prefill_delay_s: float = Field(
         0.0, ge=0, description="testing only: shards sleep this long before each step that "
                                "admits requests (long steps without long prompts)")

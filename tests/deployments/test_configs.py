@@ -124,3 +124,47 @@ def test_replicas_get_throughput_modes_in_process_settings_unless_the_environmen
 
     off = AppArgs(model="m", replica_fast_path=False)
     assert replica_actor_options(off, 0, environ={}) == {"num_cpus": 0}
+
+
+def test_serve_run_of_the_import_path_starts_ray_in_throughput_mode(monkeypatch):
+    """`serve run deployments.app:build_app` calls the builder before it starts Ray: the
+    builder sets throughput mode's variables for the Ray instance to inherit, the same ones
+    serve_config.yaml's controller_options give. Not over a variable already set, not with
+    the knob off, and not where `serve run` will connect to a running cluster."""
+    import click
+
+    from deployments.app import (
+        THROUGHPUT_MODE_ENV,
+        serve_run_starts_ray,
+        start_ray_in_throughput_mode,
+    )
+
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    assert config["controller_options"]["runtime_env"]["env_vars"] == THROUGHPUT_MODE_ENV
+    args = AppArgs(model="m")
+
+    environ: dict[str, str] = {}
+    assert start_ray_in_throughput_mode(args, True, environ) == environ == THROUGHPUT_MODE_ENV
+    environ = {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+    set_now = start_ray_in_throughput_mode(args, True, environ)
+    assert environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
+    assert set(set_now) == set(THROUGHPUT_MODE_ENV) - {"RAY_SERVE_ENABLE_HA_PROXY"}
+    for knob, starts in ((True, False), (False, True)):
+        environ = {}
+        assert start_ray_in_throughput_mode(
+            AppArgs(model="m", serve_throughput_mode=knob), starts, environ) == {} == environ
+
+    # Whether `serve run` starts Ray: read from the CLI's own click context, resolved as
+    # ray.init resolves its address ("local": always a fresh instance; an address: connect).
+    monkeypatch.setattr("deployments.app.ray.is_initialized", lambda: False)
+    assert not serve_run_starts_ray()  # not under the CLI at all
+    run, build = click.Command("run"), click.Command("build")
+    for command, address, starts in ((run, "local", True), (run, "127.0.0.1:6379", False),
+                                     (build, "local", False)):
+        with click.Context(command) as ctx:
+            ctx.params["address"] = address
+            assert serve_run_starts_ray() is starts, (command.name, address)
+    with click.Context(run) as ctx:
+        ctx.params["address"] = "local"
+        monkeypatch.setattr("deployments.app.ray.is_initialized", lambda: True)
+        assert not serve_run_starts_ray()

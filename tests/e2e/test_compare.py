@@ -77,3 +77,21 @@ def test_passes_alternate_the_server_order_and_report_means(llama_dir, tmp_path,
     assert peer["failed"] == 0
     assert rows["limit"][1]["output_throughput"] == (102.0 + 104.0) / 2
     assert "mean of 2 passes" in result["table"]
+
+
+def test_raygen_variants_pass_builder_args_to_a_config_or_the_command_line(llama_dir):
+    """`KEY@a=1+b=x` adds builder args: into the config file of a config-run server, on the
+    `serve run IMPORT_PATH` command line of the import-path one (no config: that is the
+    point of it). No server is started here."""
+    from benchmarks.compare import make_servers, parse_args
+
+    args = parse_args(["--model", llama_dir, "--servers",
+                       "raygen-import-path@reserved_cpus=1+borrow_reserved_cpus=true,"
+                       "raygen-default-proxy@num_blocks=512"])
+    plain, proxy = make_servers(args)
+    assert plain.command[1:] == ["run", "deployments.app:build_app", f"model={llama_dir}",
+                                 "reserved_cpus=1", "borrow_reserved_cpus=true"]
+    assert not any(k.startswith("RAY_SERVE_") for k in plain.env)
+    config = json.loads(open(proxy.command[2]).read())
+    assert "controller_options" not in config
+    assert config["applications"][0]["args"] == {"model": llama_dir, "num_blocks": 512}

@@ -20,41 +20,45 @@ from shards.offline import LLM
 from tests.e2e.serving import BASE, ROOT, listener, replica_environ, serve_run
 
 
-@pytest.fixture(scope="module", params=["default", "config"])
+@pytest.fixture(scope="module", params=["import-path", "config"])
 def server(request, llama_dir, tmp_path_factory):
-    """`serve run deployments.app:build_app` (Serve's defaults: its proxy actor), or
-    `serve run` of the shipped serve_config.yaml (throughput mode through its
-    `controller_options`: HAProxy, direct ingress, gRPC; no environment variables)."""
+    """`serve run deployments.app:build_app` (the builder starts Ray in Serve's throughput
+    mode: `serve_throughput_mode`), or `serve run` of the shipped serve_config.yaml (its
+    `controller_options` do). Either way HAProxy on port 8000, direct ingress, gRPC, and no
+    RAY_SERVE_* variable in the environment. Serve's proxy actor runs the structured-output
+    module (`serve_throughput_mode=false`) and every in-process deployments test."""
     tmp = tmp_path_factory.mktemp("serve")
-    if request.param == "default":
+    assert not [k for k in os.environ if k.startswith("RAY_SERVE_")], "unset RAY_SERVE_*"
+    if request.param == "import-path":
         with serve_run([f"model={llama_dir}", "num_blocks=1024"], tmp / "serve.log"):
             yield request.param
         return
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["applications"][0]["args"].update(model=str(llama_dir), num_blocks=1024)
     (tmp / "serve_config.yaml").write_text(yaml.safe_dump(config))
-    assert not [k for k in os.environ if k.startswith("RAY_SERVE_")], "unset RAY_SERVE_*"
     with serve_run([], tmp / "serve.log", target=str(tmp / "serve_config.yaml")):
         yield request.param
 
 
-def test_the_shipped_config_serves_through_haproxy(server):
-    """Who answers on port 8000: HAProxy in throughput mode, Ray's proxy actor otherwise
-    (serving.serve_run checks that the port and HAProxy are gone after Ctrl-C)."""
-    owner = listener(8000)
-    assert (owner == "haproxy") == (server == "config"), owner
+def test_both_ways_serve_through_haproxy(server):
+    """Who answers on port 8000: HAProxy, not Ray's proxy actor (serving.serve_run checks
+    that the port and HAProxy are gone after Ctrl-C)."""
+    assert listener(8000) == "haproxy"
     assert httpx.get(BASE + "/health", timeout=10).status_code == 200
 
 
 def test_replicas_get_throughput_modes_in_process_settings_in_both_modes(server):
-    """Throughput mode's in-process settings reach the ingress and batcher replicas under
-    Serve's defaults as well (the builder sets them in their runtime_env): the variables
-    that Serve's constants read at import are in each replica process's environment."""
-    from deployments.app import REPLICA_ENV
+    """Throughput mode's in-process settings reach the ingress and batcher replicas (the
+    builder also sets them in their runtime_env, for Serve's proxy actor): the variables
+    that Serve's constants read at import are in each replica process's environment, and
+    the mode itself from the Ray instance that `serve run` started."""
+    from deployments.app import REPLICA_ENV, THROUGHPUT_MODE_ENV
 
     for deployment in ("Ingress", "Batcher"):
         environ = replica_environ(deployment)
         assert {k: environ.get(k) for k in REPLICA_ENV} == REPLICA_ENV, deployment
+    if server == "import-path":
+        assert {k: environ.get(k) for k in THROUGHPUT_MODE_ENV} == THROUGHPUT_MODE_ENV
 
 
 @pytest.fixture(scope="module")

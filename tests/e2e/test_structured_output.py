@@ -17,7 +17,7 @@ from text_generation.types import Grammar, GrammarType
 
 from engine.sampling_params import SamplingParams
 from shards.offline import LLM
-from tests.e2e.serving import BASE, serve_run
+from tests.e2e.serving import BASE, listener, serve_run
 from tests.shards.test_grammar import REGEXES, SCHEMAS
 
 WEATHER = {"type": "function", "function": {
@@ -38,7 +38,10 @@ MESSAGES = [{"role": "user", "content": "Tona sefi mole?"}]
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with serve_run([f"model={llama_dir}", "num_blocks=1024"], log) as proc:
+    # Serve's proxy actor (serve_throughput_mode=false): the other e2e modules run HAProxy.
+    with serve_run([f"model={llama_dir}", "num_blocks=1024", "serve_throughput_mode=false"],
+                   log) as proc:
+        assert listener(8000) not in ("haproxy", None)
         yield proc
 
 
