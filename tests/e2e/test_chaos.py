@@ -23,9 +23,14 @@ RECOVERY_LIMIT_S = 60
 
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory):
+    # Serve's proxy actor (serve_throughput_mode=false). Under HAProxy this module failed 2
+    # of 6 runs here (the short run once saw /health answer 200 throughout its kills), and
+    # once a HAProxy reloaded for a replacement replica outlived `serve run` and kept port
+    # 8000: Serve's HAProxy mode under replica kills is not yet characterised (README:
+    # Failures and recovery).
     log = tmp_path_factory.mktemp("serve-tp2") / "serve.log"
-    with serve_run([f"model={llama_dir}", "tensor_parallel_size=2", "num_blocks=1024"],
-                   log) as proc:
+    with serve_run([f"model={llama_dir}", "tensor_parallel_size=2", "num_blocks=1024",
+                    "serve_throughput_mode=false"], log) as proc:
         yield proc
 
 
@@ -101,6 +106,6 @@ def test_short_chaos_run_loses_nothing(server):
     assert result["kills"] == 2
     assert succeeded(result), result  # 0 hung, 0 lost, every kill recovered, KV drained
     assert all(s < RECOVERY_LIMIT_S for s in result["recovery_s"]), result
-    assert result["succeeded"] > 0 and result["failed_with_error"] > 0
-    assert 0 < result["availability"] < 1
+    assert result["succeeded"] > 0 and result["failed_with_error"] > 0, result
+    assert 0 < result["availability"] < 1, result
     assert result["sent"] == result["succeeded"] + result["failed_with_error"]
