@@ -26,7 +26,7 @@ def server(request, llama_dir, tmp_path_factory):
     mode: `serve_throughput_mode`), or `serve run` of the shipped serve_config.yaml (its
     `controller_options` do). Either way HAProxy on port 8000, direct ingress, gRPC, and no
     RAY_SERVE_* variable in the environment. Serve's proxy actor runs the structured-output
-    module (`serve_throughput_mode=false`) and every in-process deployments test."""
+    and chaos modules (`serve_throughput_mode=false`) and every in-process deployments test."""
     tmp = tmp_path_factory.mktemp("serve")
     assert not [k for k in os.environ if k.startswith("RAY_SERVE_")], "unset RAY_SERVE_*"
     if request.param == "import-path":

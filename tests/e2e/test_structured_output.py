@@ -38,7 +38,8 @@ MESSAGES = [{"role": "user", "content": "Tona sefi mole?"}]
 @pytest.fixture(scope="module")
 def server(llama_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    # Serve's proxy actor (serve_throughput_mode=false): the other e2e modules run HAProxy.
+    # Serve's proxy actor (serve_throughput_mode=false), as the chaos module; test_serve_run
+    # runs HAProxy both ways.
     with serve_run([f"model={llama_dir}", "num_blocks=1024", "serve_throughput_mode=false"],
                    log) as proc:
         assert listener(8000) not in ("haproxy", None)
