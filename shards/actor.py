@@ -53,15 +53,21 @@ class ShardActor:
         torch thread exists; the model runner then sizes torch's threads to the slice
         (Ray sets OMP_NUM_THREADS to the actor's num_cpus, 1 when 0: never used as is)."""
         available = cpu_plan.available_cores()
-        cores = cpu_plan.shard_cores(available, self.config.reserved_cpus, local_index,
-                                     local_count)
-        if self.config.borrow_reserved_cpus:
-            borrowed = cpu_plan.borrowed_cores(available, self.config.reserved_cpus, local_count)
+        reserved = cpu_plan.resolve_reserved(self.config.reserved_cpus, len(available),
+                                             local_count)
+        cores = cpu_plan.shard_cores(available, reserved, local_index, local_count)
+        if self.config.borrow_reserved_cpus and reserved:
+            borrowed = cpu_plan.borrowed_cores(available, reserved, local_count)
             if borrowed:
                 self.own_cores, cores = cores, sorted(set(cores) | set(borrowed))
-            else:
+            elif self.config.reserved_cpus is not None:  # asked for explicitly
                 logger.warning("rank %d borrows no reserved cores: %d ranks on its node, "
                                "%d cores", self.rank, local_count, len(available))
+        logger.info("core plan: %d of %d cores reserved for the serving plane%s; rank %d on "
+                    "cores %s%s", reserved, len(available),
+                    " (reserved_cpus unset)" if self.config.reserved_cpus is None else "",
+                    self.rank, cores,
+                    f", one-token steps on {self.own_cores}" if self.own_cores else "")
         os.sched_setaffinity(0, cores)
         return cores
 

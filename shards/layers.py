@@ -80,6 +80,12 @@ def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
+def linear_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight that a _Matmul multiplies by (what a second copy would take)."""
+    return sum(m.weight.numel() * m.weight.element_size()
+               for m in model.modules() if isinstance(m, _Matmul))
+
+
 def pack_for_onednn(model: nn.Module, batch_hint: int = ONEDNN_BATCH_HINT,
                     one_row_copy: bool = False) -> int:
     """Reorder every linear weight into oneDNN's blocked layout; a weight that nothing

@@ -19,7 +19,7 @@ from engine.messages import StepInput, StepOutput
 from engine.sampling_params import SamplingParams
 from shards.attention import AttentionMetadata, PrefillSeq, select_backend
 from shards.grammar import Grammars
-from shards.layers import TPContext, onednn_usable, pack_for_onednn
+from shards.layers import TPContext, linear_weight_bytes, onednn_usable, pack_for_onednn
 from shards.loader import load_weights
 from shards.model import CausalLM
 from shards.model_config import ModelConfig
@@ -39,7 +39,9 @@ class ShardConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
     cpu_threads: int | None = None  # None: every core this process may use
-    reserved_cpus: int = 0  # cores per node left to the serving plane (shards/cpu_plan.py)
+    # Cores per node left to the serving plane (shards/cpu_plan.py); None: one where every
+    # rank on the node still gets a core of its own.
+    reserved_cpus: int | None = 0
     # CPU, one rank per node: steps of more than one token also use the reserved cores
     # (shards/cpu_plan.py); a one-token step keeps to the rank's own cores.
     borrow_reserved_cpus: bool = False
@@ -49,6 +51,21 @@ class ShardConfig:
     # Testing only: each rank sleeps this long before a step that admits new requests, so
     # tests get steps of any length without long prompts.
     debug_prefill_delay_s: float = 0.0
+
+
+def available_memory() -> int:
+    """Bytes of memory the kernel says it can still give (MemAvailable)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def one_row_copy_fits(copy_bytes: int, kv_cache_bytes: int, available_bytes: int) -> bool:
+    """Whether a second copy of the weights (and the KV cache still to come) takes at most
+    half of the memory available."""
+    return copy_bytes + kv_cache_bytes <= available_bytes // 2
 
 
 @dataclass(slots=True)
@@ -135,8 +152,20 @@ class ModelRunner:
                              "(the compiled forward prepacks its own weights)")
         # One-token steps on one thread (cpu_threads=1, or the core plan's own core): their
         # one-row products are faster through MKL on a second, K x N copy of the weights.
+        # The copy is kept only where it and the KV cache take at most half of the memory
+        # still available: the core plan is the serving app's default, and a model that
+        # loads without the copy must not fail to because of it.
         one_token_threads = self._cores[True][1] if self._cores else torch.get_num_threads()
         self.one_row_weights = choice == "auto" and one_token_threads == 1
+        if self.one_row_weights:
+            copy = linear_weight_bytes(self.model)
+            available = available_memory()
+            if not one_row_copy_fits(copy, self.config.kv_cache_memory, available):
+                self.one_row_weights = False
+                logger.info("no K x N weight copy for one-token steps: %.0f MB of weights and "
+                            "%.0f MB of KV cache would pass half of the %.0f MB available",
+                            copy / 2**20, self.config.kv_cache_memory / 2**20,
+                            available / 2**20)
         t0 = time.perf_counter()
         size = pack_for_onednn(self.model, one_row_copy=self.one_row_weights)
         logger.info("weights reordered for oneDNN: %.0f MB in %.1f s%s", size / 2**20,

@@ -83,12 +83,32 @@ def test_shipped_configs_run_serves_throughput_mode():
         assert THROUGHPUT_MODE.items() <= env.items()
 
 
-@pytest.mark.parametrize("knobs", [{}, {"reserved_cpus": 1, "device": "cuda"}])
+@pytest.mark.parametrize("knobs", [{"reserved_cpus": 0}, {"device": "cuda"},
+                                   {"reserved_cpus": 1, "device": "cuda"}])
 def test_borrowing_reserved_cores_needs_reserved_cores_on_cpu(knobs):
     with pytest.raises(ValueError, match="borrow_reserved_cpus needs reserved_cpus >= 1"):
         AppArgs(model="m", borrow_reserved_cpus=True, **knobs)
     assert AppArgs(model="m", borrow_reserved_cpus=True, reserved_cpus=1).shard_config() \
         .borrow_reserved_cpus
+
+
+@pytest.mark.parametrize(("knobs", "reserved", "borrow"), [
+    ({}, None, True),  # the default on CPU: each node reserves one core where it can
+    ({"borrow_reserved_cpus": False}, None, False),
+    ({"reserved_cpus": 0}, 0, False),  # the whole node, two unpinned threads on 2 cores
+    ({"reserved_cpus": 2}, 2, True),
+    ({"device": "cuda"}, 0, False),  # GPU shards: nothing reserved unless asked
+    ({"device": "cuda", "reserved_cpus": 1}, 1, False),
+])
+def test_the_core_plan_is_the_default_on_cpu(knobs, reserved, borrow):
+    from shards.cpu_plan import resolve_reserved
+
+    config = AppArgs(model="m", **knobs).shard_config()
+    assert (config.reserved_cpus, config.borrow_reserved_cpus) == (reserved, borrow)
+    # Unset, a node reserves one core where each of its ranks keeps one of its own.
+    assert [resolve_reserved(None, cores, ranks) for cores, ranks in
+            ((2, 1), (2, 2), (16, 2), (16, 15), (16, 16), (1, 1))] == [1, 0, 1, 1, 0, 0]
+    assert resolve_reserved(3, 2, 2) == 3  # set: as asked (cpu_plan.split bounds it)
 
 
 @pytest.mark.parametrize(("knobs", "compiled", "in_flight"), [

@@ -206,6 +206,19 @@ def test_one_thread_one_row_products_match_transformers(arch, llama_dir, qwen2_d
                if isinstance(m, _Matmul))
 
 
+def test_no_one_row_copy_where_it_would_not_leave_half_the_memory(llama_dir,
+                                                                  keep_torch_threads):
+    """The copy and the KV cache to come must fit in half of MemAvailable; asked for a KV
+    cache as big as that, the runner keeps one copy of the weights (and still serves)."""
+    from shards.model_runner import available_memory, one_row_copy_fits
+
+    assert one_row_copy_fits(10, 40, 100) and not one_row_copy_fits(11, 40, 100)
+    llm = LLM(llama_dir, num_blocks=16, cpu_threads=1, device="cpu",
+              kv_cache_memory=available_memory())
+    assert not llm.runner.one_row_weights
+    assert len(llm.generate(["Tona sefi"], SamplingParams(max_new_tokens=3))[0].token_ids) == 3
+
+
 def test_cpu_matmul_refuses_what_it_cannot_do(llama_dir):
     with pytest.raises(ValueError, match="exclude each other"):
         LLM(llama_dir, num_blocks=16, cpu_matmul="onednn", torch_compile=True, device="cpu")

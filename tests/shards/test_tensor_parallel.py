@@ -350,6 +350,8 @@ def test_constrained_output_at_tp2_equals_one_shard(llama_dir, tokenizer):
     (1, 0, 1, [[0, 1]], False, True),  # cpu_threads still wins over the slice's size
     (1, 1, None, [[0, 1]], True, True),  # borrowing: both cores until a one-token step
     (2, 1, None, [[0], [0]], True, True),  # two ranks on the node: nothing to borrow
+    (1, None, None, [[0, 1]], True, True),  # unset (the app's default): one core reserved
+    (2, None, None, [[0], [1]], True, True),  # unset, two ranks: no core left to reserve
 ])
 def test_core_plan_pins_each_rank_and_sizes_its_threads(llama_dir, tp, reserved, threads,
                                                         affinities, borrow, one_row):
