@@ -15,8 +15,8 @@ and prefill still has every core.
 Unset (`reserved_cpus=None`, the serving app's default on CPU), a node keeps one core for
 the serving plane where every rank on it still gets a core of its own, as vLLM's CPU server
 reserves one: on 2 cores, one TP=1 rank pinned to core 0 borrowing core 1 for bigger steps
-measured 5-15% more output tok/s than two unpinned threads (benchmarks/NOTES.md 31, 38);
-two ranks on 2 cores reserve nothing."""
+measured +5% and +15% output tok/s at concurrency 1 over two unpinned threads, and
+as fast within noise at 24-32 (benchmarks/NOTES.md 38, 39); two ranks on 2 cores reserve nothing."""
 
 from __future__ import annotations
 
