@@ -28,6 +28,7 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.request import FinishReason
+from shards import logs
 from shards.demo_model import ensure_demo_model
 from shards.group import ShardGroup
 from shards.model_config import ModelConfig
@@ -63,6 +64,7 @@ class Channel:
 class Batcher:
     def __init__(self, args: AppArgs, metrics_hub=None):
         self.args = args
+        logs.to_serve()
         if args.model == DEMO_MODEL:
             ensure_demo_model(args.model)
         model_config = ModelConfig.from_pretrained(args.model)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from engine.messages import StepInput, StepOutput
-from shards import cpu_plan
+from shards import cpu_plan, logs
 from shards.layers import TPContext
 from shards.model_runner import ModelRunner, ShardConfig, resolve_device
 
@@ -37,6 +37,7 @@ def free_port() -> int:
 
 class ShardActor:
     def __init__(self, config: ShardConfig, rank: int, world_size: int):
+        logs.to_stderr(f"shard rank {rank}/{world_size}")
         self.config = config
         self.rank = rank
         self.world_size = world_size

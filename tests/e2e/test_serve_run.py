@@ -4,10 +4,12 @@ clients; outputs must equal the offline engine's, token for token."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,6 +22,12 @@ from shards.offline import LLM
 from tests.e2e.serving import BASE, ROOT, listener, replica_environ, serve_run
 
 
+@dataclasses.dataclass
+class Server:
+    mode: str  # "import-path" or "config"
+    log: Path  # what `serve run` printed
+
+
 @pytest.fixture(scope="module", params=["import-path", "config"])
 def server(request, llama_dir, tmp_path_factory):
     """`serve run deployments.app:build_app` (the builder starts Ray in Serve's throughput
@@ -29,15 +37,16 @@ def server(request, llama_dir, tmp_path_factory):
     and chaos modules (`serve_throughput_mode=false`) and every in-process deployments test."""
     tmp = tmp_path_factory.mktemp("serve")
     assert not [k for k in os.environ if k.startswith("RAY_SERVE_")], "unset RAY_SERVE_*"
+    server = Server(request.param, tmp / "serve.log")
     if request.param == "import-path":
-        with serve_run([f"model={llama_dir}", "num_blocks=1024"], tmp / "serve.log"):
-            yield request.param
+        with serve_run([f"model={llama_dir}", "num_blocks=1024"], server.log):
+            yield server
         return
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["applications"][0]["args"].update(model=str(llama_dir), num_blocks=1024)
     (tmp / "serve_config.yaml").write_text(yaml.safe_dump(config))
-    with serve_run([], tmp / "serve.log", target=str(tmp / "serve_config.yaml")):
-        yield request.param
+    with serve_run([], server.log, target=str(tmp / "serve_config.yaml")):
+        yield server
 
 
 def test_both_ways_serve_through_haproxy(server):
@@ -57,8 +66,19 @@ def test_replicas_get_throughput_modes_in_process_settings_in_both_modes(server)
     for deployment in ("Ingress", "Batcher"):
         environ = replica_environ(deployment)
         assert {k: environ.get(k) for k in REPLICA_ENV} == REPLICA_ENV, deployment
-    if server == "import-path":
+    if server.mode == "import-path":
         assert {k: environ.get(k) for k in THROUGHPUT_MODE_ENV} == THROUGHPUT_MODE_ENV
+
+
+def test_shard_start_up_lines_reach_the_serve_run_console(server):
+    """The shard actor's start-up lines (its core plan, attention backend, KV cache) are in
+    what `serve run` printed, tagged with the rank: Ray copies the actor's stderr there."""
+    text = server.log.read_text(errors="replace")
+    lines = [line for line in text.splitlines() if "(ShardActor pid=" in line]
+    plan = [line for line in lines if "shard rank 0/1 shards.actor -- core plan:" in line]
+    assert plan and "reserved for the serving plane" in plan[0], lines
+    assert any("shards.model_runner -- KV cache:" in line for line in lines), lines
+    assert any("shards.model_runner -- attention backend:" in line for line in lines), lines
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,50 @@
+"""Where the engine's and the shards' log lines go in the processes Ray starts.
+
+`engine.*` and `shards.*` log under their module names. Python's root logger drops INFO
+and has no handler in a Ray worker, so without this their start-up lines (the core plan,
+the KV cache, compile progress) went nowhere. In a Serve replica they are handed to Serve's
+own logger (the replica's log file, and stderr where Serve logs there); in a shard actor,
+which is no Serve component, they go to stderr, which Ray copies to the worker's log file
+and to the driver's console (`(ShardActor pid=...) INFO ...` under `serve run`)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+PACKAGES = ("engine", "shards")
+
+
+class _Forward(logging.Handler):
+    """Hands records to another logger's handlers (with that logger's filters)."""
+
+    def __init__(self, target: logging.Logger):
+        super().__init__()
+        self.target = target
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.target.isEnabledFor(record.levelno):
+            self.target.handle(record)
+
+
+def _install(handler: logging.Handler, level: int) -> None:
+    for name in PACKAGES:
+        package = logging.getLogger(name)
+        package.handlers = [h for h in package.handlers if not getattr(h, "_raygen", False)]
+        handler._raygen = True
+        package.addHandler(handler)
+        package.setLevel(level)
+        package.propagate = False  # one copy of each line, whatever the root logger does
+
+
+def to_serve(level: int = logging.INFO) -> None:
+    """In a Serve replica: engine and shard lines go where the replica's own lines go."""
+    _install(_Forward(logging.getLogger("ray.serve")), level)
+
+
+def to_stderr(prefix: str, level: int = logging.INFO) -> None:
+    """In a plain Ray actor: to stderr, each line tagged with `prefix` (the rank)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        f"%(levelname)s %(asctime)s {prefix} %(name)s -- %(message)s"))
+    _install(handler, level)
