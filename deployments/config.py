@@ -101,7 +101,12 @@ class AppArgs(BaseModel):
     api_key: str | None = Field(None, repr=False)
     # Placement: logical CPUs reserved for the batcher replica and for each CPU shard.
     replica_cpus: float = Field(0.1, ge=0)
-    shard_cpus: float = Field(0.1, gt=0)
+    shard_cpus: float = Field(
+        0.1, gt=0, description="logical CPUs Ray reserves for each shard rank. 1 or more: "
+        "a whole number of cores each rank pins to and owns on its node, claimed there so "
+        "that ranks of other replicas on the node get other cores (GPU shards ask Ray for "
+        "them beside their GPU); below 1, each replica splits the node's cores among its "
+        "own ranks")
 
     @model_validator(mode="after")
     def _check_limits(self) -> AppArgs:
@@ -111,6 +116,12 @@ class AppArgs(BaseModel):
         if self.borrow_reserved_cpus and (self.reserved_cpus == 0 or self.device == "cuda"):
             raise ValueError("borrow_reserved_cpus needs reserved_cpus >= 1 (or unset) and "
                              "CPU shards")
+        if self.shard_cpus >= 1 and self.shard_cpus != int(self.shard_cpus):
+            raise ValueError("shard_cpus of 1 or more is the whole number of cores each "
+                             f"rank owns; got {self.shard_cpus}")
+        if self.borrow_reserved_cpus and self.cores_per_rank:
+            raise ValueError("borrow_reserved_cpus needs shard_cpus below 1: a rank that "
+                             "owns whole cores keeps to them")
         return self
 
     @property
@@ -165,17 +176,28 @@ class AppArgs(BaseModel):
             cpu_matmul=self.cpu_matmul,
             debug_prefill_delay_s=self.debug_prefill_delay_s)
 
+    @property
+    def cores_per_rank(self) -> int | None:
+        """Whole cores each rank owns on its node (shard_cpus >= 1), else None."""
+        return int(self.shard_cpus) if self.shard_cpus >= 1 else None
+
     def core_plan(self) -> dict[str, int | bool | None]:
-        """The shards' reserved_cpus and borrow_reserved_cpus (shards/cpu_plan.py); an
-        unset reserved_cpus stays None on CPU, for each node to resolve."""
+        """The shards' reserved_cpus, borrow_reserved_cpus and cores_per_rank
+        (shards/cpu_plan.py); an unset reserved_cpus stays None on CPU, for each node to
+        resolve."""
         cpu = self.device == "cpu"
         reserved = self.reserved_cpus if self.reserved_cpus is not None or cpu else 0
-        borrow = cpu and reserved != 0 and self.borrow_reserved_cpus is not False
-        return {"reserved_cpus": reserved, "borrow_reserved_cpus": borrow}
+        borrow = (cpu and reserved != 0 and self.borrow_reserved_cpus is not False
+                  and not self.cores_per_rank)
+        return {"reserved_cpus": reserved, "borrow_reserved_cpus": borrow,
+                "cores_per_rank": self.cores_per_rank}
 
     def placement_group_bundles(self) -> list[dict[str, float]]:
-        """Bundle 0 holds the batcher replica, bundle i + 1 shard rank i."""
-        shard = {"GPU": 1.0} if self.device == "cuda" else {"CPU": self.shard_cpus}
+        """Bundle 0 holds the batcher replica, bundle i + 1 shard rank i (a GPU shard asks
+        for CPUs only where it owns whole cores)."""
+        shard = {"CPU": self.shard_cpus}
+        if self.device == "cuda":
+            shard = {"GPU": 1.0, **(shard if self.cores_per_rank else {})}
         return [{"CPU": max(self.replica_cpus, 0.01)}] + [dict(shard)] * self.tensor_parallel_size
 
 

@@ -54,10 +54,19 @@ class ShardActor:
         torch thread exists; the model runner then sizes torch's threads to the slice
         (Ray sets OMP_NUM_THREADS to the actor's num_cpus, 1 when 0: never used as is)."""
         available = cpu_plan.available_cores()
+        per_rank = self.config.cores_per_rank
         reserved = cpu_plan.resolve_reserved(self.config.reserved_cpus, len(available),
-                                             local_count)
-        cores = cpu_plan.shard_cores(available, reserved, local_index, local_count)
-        if self.config.borrow_reserved_cpus and reserved:
+                                             local_count * (per_rank or 1))
+        if per_rank:
+            pool, _ = cpu_plan.split(available, reserved)
+            cores, shared = cpu_plan.claim(cpu_plan.claims_path(self.node_id()), pool, per_rank)
+            if shared or len(cores) < per_rank:
+                logger.warning("rank %d wanted %d cores of its own and got %s, %d of them "
+                               "also held by other shards: the node's %d shard cores are "
+                               "taken", self.rank, per_rank, cores, shared, len(pool))
+        else:
+            cores = cpu_plan.shard_cores(available, reserved, local_index, local_count)
+        if self.config.borrow_reserved_cpus and reserved and not per_rank:
             borrowed = cpu_plan.borrowed_cores(available, reserved, local_count)
             if borrowed:
                 self.own_cores, cores = cores, sorted(set(cores) | set(borrowed))
@@ -65,9 +74,9 @@ class ShardActor:
                 logger.warning("rank %d borrows no reserved cores: %d ranks on its node, "
                                "%d cores", self.rank, local_count, len(available))
         logger.info("core plan: %d of %d cores reserved for the serving plane%s; rank %d on "
-                    "cores %s%s", reserved, len(available),
+                    "cores %s%s%s", reserved, len(available),
                     " (reserved_cpus unset)" if self.config.reserved_cpus is None else "",
-                    self.rank, cores,
+                    self.rank, cores, " (claimed on the node)" if per_rank else "",
                     f", one-token steps on {self.own_cores}" if self.own_cores else "")
         os.sched_setaffinity(0, cores)
         return cores
@@ -124,6 +133,7 @@ class ShardActor:
         ctx = ray.get_runtime_context()
         return {
             "rank": self.rank,
+            "pid": os.getpid(),
             "actor_id": ctx.get_actor_id(),
             "node_id": ctx.get_node_id(),
             "placement_group_id": ctx.get_placement_group_id(),

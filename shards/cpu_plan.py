@@ -16,11 +16,23 @@ Unset (`reserved_cpus=None`, the serving app's default on CPU), a node keeps one
 the serving plane where every rank on it still gets a core of its own, as vLLM's CPU server
 reserves one: on 2 cores, one TP=1 rank pinned to core 0 borrowing core 1 for bigger steps
 measured +5% and +15% output tok/s at concurrency 1 over two unpinned threads, and
-as fast within noise at 24-32 (benchmarks/NOTES.md 38, 39); two ranks on 2 cores reserve nothing."""
+as fast within noise at 24-32 (benchmarks/NOTES.md 38, 39); two ranks on 2 cores reserve nothing.
+
+The ranks of one group know only each other, so by default two replicas on one node pin to
+the same slices. With whole cores per rank (`cores_per_rank`, from the app's `shard_cpus` of
+1 or more, which Ray also counts when it places replicas) each rank instead claims its cores
+in a file per node that every shard on the node shares: the least-claimed shard cores
+first, claims of dead processes dropped. Ranks of different replicas then get disjoint
+cores wherever the node has enough, and share the least-used ones where it has not."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import fcntl
+import json
 import os
+import tempfile
 
 
 def available_cores() -> list[int]:
@@ -56,3 +68,41 @@ def borrowed_cores(cores: list[int], reserved: int, local_count: int) -> list[in
     """The reserved cores a rank may borrow for its bigger steps: all of them when it is
     the only rank on the node, none otherwise (ranks would contend for them)."""
     return split(cores, reserved)[1] if local_count == 1 else []
+
+
+def claims_path(node_id: str) -> str:
+    """The node's claims file: one per Ray node, so one per Ray session on a machine."""
+    return os.path.join(tempfile.gettempdir(), f"raygen-cores-{node_id}.json")
+
+
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (a pid reused later differs)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def claim(path: str, pool: list[int], want: int, pid: int | None = None) -> tuple[list[int], int]:
+    """Claim `want` cores of `pool` for process `pid` (this one) in the claims file at
+    `path`: the cores fewest live processes hold, lowest first. A process claims once (a
+    second claim replaces its first). Returns (the cores, how many of them another live
+    process also holds: more than zero only where the pool has too few free)."""
+    pid = os.getpid() if pid is None else pid
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        claims: dict[str, dict] = {}
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            with open(path) as f:
+                claims = json.load(f)
+        live = {p: c for p, c in claims.items()
+                if int(p) != pid and c.get("start") == _start_time(int(p))}
+        held = collections.Counter(core for c in live.values() for core in c["cores"])
+        cores = sorted(sorted(pool, key=lambda core: (held[core], core))[:max(1, want)])
+        live[str(pid)] = {"start": _start_time(pid), "cores": cores}
+        tmp = f"{path}.{pid}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(live, f)
+        os.replace(tmp, path)
+    return cores, sum(1 for core in cores if held[core])

@@ -45,6 +45,10 @@ class ShardConfig:
     # CPU, one rank per node: steps of more than one token also use the reserved cores
     # (shards/cpu_plan.py); a one-token step keeps to the rank's own cores.
     borrow_reserved_cpus: bool = False
+    # Whole cores each rank owns, claimed node-wide so that ranks of other groups on the
+    # node get other cores (shards/cpu_plan.py); None: the node's shard cores are split
+    # among this group's ranks on it.
+    cores_per_rank: int | None = None
     torch_compile: bool = False  # CPU, one rank: compile the dense parts (shards/compiled.py)
     # onednn | torch; auto: oneDNN on CPU (float32/bfloat16) unless compiled
     cpu_matmul: str = "auto"

@@ -111,6 +111,28 @@ def test_the_core_plan_is_the_default_on_cpu(knobs, reserved, borrow):
     assert resolve_reserved(3, 2, 2) == 3  # set: as asked (cpu_plan.split bounds it)
 
 
+@pytest.mark.parametrize(("knobs", "per_rank", "borrow", "shard_bundle"), [
+    ({}, None, True, {"CPU": 0.1}),  # below 1: each replica splits the node among its ranks
+    ({"shard_cpus": 4}, 4, False, {"CPU": 4}),  # whole cores, claimed node-wide: no borrowing
+    ({"shard_cpus": 1, "reserved_cpus": 1}, 1, False, {"CPU": 1}),
+    ({"device": "cuda"}, None, False, {"GPU": 1.0}),
+    ({"device": "cuda", "shard_cpus": 8}, 8, False, {"GPU": 1.0, "CPU": 8}),
+])
+def test_shard_cpus_of_one_or_more_are_whole_cores_each_rank_owns(knobs, per_rank, borrow,
+                                                                   shard_bundle):
+    args = AppArgs(model="m", tensor_parallel_size=2, **knobs)
+    config = args.shard_config()
+    assert (config.cores_per_rank, config.borrow_reserved_cpus) == (per_rank, borrow)
+    assert args.placement_group_bundles()[1:] == [shard_bundle] * 2
+
+
+def test_shard_cpus_of_one_or_more_must_be_whole_and_not_borrow():
+    with pytest.raises(ValueError, match="whole number of cores"):
+        AppArgs(model="m", shard_cpus=1.5)
+    with pytest.raises(ValueError, match="borrow_reserved_cpus needs shard_cpus below 1"):
+        AppArgs(model="m", shard_cpus=2, borrow_reserved_cpus=True)
+
+
 @pytest.mark.parametrize(("knobs", "compiled", "in_flight"), [
     ({}, False, 2),  # tp 1: async scheduling unless asked otherwise
     ({"async_scheduling": False}, False, 1),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -369,6 +370,42 @@ def test_core_plan_pins_each_rank_and_sizes_its_threads(llama_dir, tp, reserved,
     assert [p["cpu_affinity"] for p in placements] == affinities
     assert [p["torch_threads"] for p in placements] == [threads or len(a) for a in affinities]
     assert [p["one_row_weights"] for p in placements] == [one_row] * tp
+
+
+def test_whole_cores_per_rank_are_claimed_node_wide_and_freed_when_a_rank_dies(llama_dir):
+    """Two replicas' groups on one node, each rank owning one whole core (the app's
+    shard_cpus=1): they get different cores, where groups that split the node among their
+    own ranks would both take core 0. Once a group is gone its core is the next one's."""
+    from shards import cpu_plan
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) != 2:
+        pytest.skip("written for this project's 2-core machines")
+    config = ShardConfig(model=llama_dir, num_blocks=8, reserved_cpus=0, cores_per_rank=1)
+
+    def placed(group: ShardGroup) -> dict:
+        return ray.get(group.actors[0].placement.remote())
+
+    first, second = (ShardGroup(config, 1, num_cpus_per_shard=0.5) for _ in range(2))
+    try:
+        a, b = placed(first), placed(second)
+        first.shutdown()
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{a['pid']}") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        third = ShardGroup(config, 1, num_cpus_per_shard=0.5)
+        try:
+            c = placed(third)
+        finally:
+            third.shutdown()
+    finally:
+        first.shutdown()
+        second.shutdown()
+    assert [p["cpu_affinity"] for p in (a, b, c)] == [[cores[0]], [cores[1]], [cores[0]]]
+    assert [p["torch_threads"] for p in (a, b, c)] == [1, 1, 1]
+    with open(cpu_plan.claims_path(c["node_id"])) as f:
+        claims = json.load(f)
+    assert {int(pid) for pid in claims} == {b["pid"], c["pid"]}  # the dead rank's claim dropped
 
 
 def test_borrowed_cores_run_big_steps_and_one_token_steps_keep_to_their_own(llama_dir,

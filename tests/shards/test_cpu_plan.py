@@ -1,0 +1,71 @@
+"""shards.cpu_plan.claim: whole cores per rank, claimed in a file every shard of a node
+shares; live processes keep their claims, dead ones lose them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from shards import cpu_plan
+
+
+def started(seconds: float = 30) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"])
+
+
+def test_claims_take_the_free_cores_first_and_share_only_when_none_are_left(tmp_path):
+    path = str(tmp_path / "cores.json")
+    pool = list(range(8))
+    a, b, c = started(), started(), started()
+    try:
+        assert cpu_plan.claim(path, pool, 3, a.pid) == ([0, 1, 2], 0)
+        assert cpu_plan.claim(path, pool, 3, b.pid) == ([3, 4, 5], 0)
+        # Two cores are free: c takes them, then the least-held (all held once), lowest first.
+        assert cpu_plan.claim(path, pool, 3, c.pid) == ([0, 6, 7], 1)
+        # A second claim by the same process replaces its first.
+        assert cpu_plan.claim(path, pool, 2, c.pid) == ([6, 7], 0)
+        with open(path) as f:
+            assert {int(p): v["cores"] for p, v in json.load(f).items()} == {
+                a.pid: [0, 1, 2], b.pid: [3, 4, 5], c.pid: [6, 7]}
+    finally:
+        for p in (a, b, c):
+            p.kill()
+            p.wait()
+
+
+def test_a_dead_process_s_cores_are_free_again(tmp_path):
+    path = str(tmp_path / "cores.json")
+    a, b = started(), started()
+    try:
+        assert cpu_plan.claim(path, [0, 1], 1, a.pid) == ([0], 0)
+        a.kill()
+        a.wait()
+        assert cpu_plan.claim(path, [0, 1], 1, b.pid) == ([0], 0)  # a's claim dropped
+        with open(path) as f:
+            assert list(json.load(f)) == [str(b.pid)]
+    finally:
+        b.kill()
+        b.wait()
+
+
+def test_a_reused_pid_does_not_keep_a_dead_claim(tmp_path):
+    """A claim names its process by pid and start time: the same pid with another start
+    time (the pid reused by a new process) holds nothing."""
+    path = str(tmp_path / "cores.json")
+    a = started()
+    try:
+        cpu_plan.claim(path, [0, 1], 1, a.pid)
+        with open(path) as f:
+            claims = json.load(f)
+        claims[str(a.pid)]["start"] -= 1
+        with open(path, "w") as f:
+            json.dump(claims, f)
+        assert cpu_plan.claim(path, [0, 1], 1) == ([0], 0)  # this process: core 0 is free
+    finally:
+        a.kill()
+        a.wait()
+
+
+def test_more_cores_wanted_than_the_pool_has_gives_the_pool(tmp_path):
+    assert cpu_plan.claim(str(tmp_path / "c.json"), [4, 5], 3) == ([4, 5], 0)
