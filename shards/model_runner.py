@@ -163,13 +163,13 @@ class ModelRunner:
         self.one_row_weights = choice == "auto" and one_token_threads == 1
         if self.one_row_weights:
             copy = linear_weight_bytes(self.model)
+            kv_cache = self.profile_num_blocks(0) * self.block_bytes()  # num_blocks, or the budget
             available = available_memory()
-            if not one_row_copy_fits(copy, self.config.kv_cache_memory, available):
+            if not one_row_copy_fits(copy, kv_cache, available):
                 self.one_row_weights = False
                 logger.info("no K x N weight copy for one-token steps: %.0f MB of weights and "
                             "%.0f MB of KV cache would pass half of the %.0f MB available",
-                            copy / 2**20, self.config.kv_cache_memory / 2**20,
-                            available / 2**20)
+                            copy / 2**20, kv_cache / 2**20, available / 2**20)
         t0 = time.perf_counter()
         size = pack_for_onednn(self.model, one_row_copy=self.one_row_weights)
         logger.info("weights reordered for oneDNN: %.0f MB in %.1f s%s", size / 2**20,

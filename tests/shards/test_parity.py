@@ -206,17 +206,33 @@ def test_one_thread_one_row_products_match_transformers(arch, llama_dir, qwen2_d
                if isinstance(m, _Matmul))
 
 
-def test_no_one_row_copy_where_it_would_not_leave_half_the_memory(llama_dir,
+def test_no_one_row_copy_where_it_would_not_leave_half_the_memory(llama_dir, monkeypatch,
                                                                   keep_torch_threads):
-    """The copy and the KV cache to come must fit in half of MemAvailable; asked for a KV
-    cache as big as that, the runner keeps one copy of the weights (and still serves)."""
-    from shards.model_runner import available_memory, one_row_copy_fits
+    """The copy and the KV cache to come must fit in half of MemAvailable: the cache that
+    `num_blocks` fixes where set, else the `kv_cache_memory` budget. Runners are built
+    without their KV cache here; one with a single copy still serves."""
+    from shards import model_runner
+    from shards.model_runner import ModelRunner, ShardConfig, available_memory, one_row_copy_fits
 
     assert one_row_copy_fits(10, 40, 100) and not one_row_copy_fits(11, 40, 100)
-    llm = LLM(llama_dir, num_blocks=16, cpu_threads=1, device="cpu",
-              kv_cache_memory=available_memory())
+    half = available_memory() // 2
+
+    def one_row(**cache) -> bool:
+        config = ShardConfig(model=llama_dir, cpu_threads=1, device="cpu", **cache)
+        return ModelRunner(config).one_row_weights
+
+    block = ModelRunner(ShardConfig(model=llama_dir, device="cpu")).block_bytes()
+    assert not one_row(kv_cache_memory=half + 1)  # the budget alone passes half
+    assert not one_row(num_blocks=half // block + 1)
+    assert one_row(num_blocks=16, kv_cache_memory=half + 1)  # num_blocks fixes a small cache
+    assert one_row(kv_cache_memory=1 << 20)
+    # Where memory is short, one thread runs one-token steps on the one reordered copy.
+    monkeypatch.setattr(model_runner, "available_memory", lambda: 1 << 20)
+    llm = LLM(llama_dir, num_blocks=16, cpu_threads=1, device="cpu")
     assert not llm.runner.one_row_weights
-    assert len(llm.generate(["Tona sefi"], SamplingParams(max_new_tokens=3))[0].token_ids) == 3
+    prompt = make_prompts(2048, [9], seed=5)[0]
+    got = llm.generate([prompt], SamplingParams(max_new_tokens=4))[0].token_ids
+    assert got == hf_greedy(llama_dir, prompt, 4)
 
 
 def test_cpu_matmul_refuses_what_it_cannot_do(llama_dir):
