@@ -43,27 +43,31 @@ class ShardActor:
         self.world_size = world_size
         self.runner: ModelRunner | None = None
         self.own_cores: list[int] | None = None  # set when bigger steps borrow reserved cores
+        self.cores_shared = 0  # of its cores, how many shards of other groups also use
 
     def node_id(self) -> str:
         import ray
 
         return ray.get_runtime_context().get_node_id()
 
-    def bind_cpus(self, local_index: int, local_count: int) -> list[int]:
+    def bind_cpus(self, local_index: int, local_count: int, group: str = "") -> list[int]:
         """Pin this rank to its slice of the node's cores (shards/cpu_plan.py), before any
         torch thread exists; the model runner then sizes torch's threads to the slice
-        (Ray sets OMP_NUM_THREADS to the actor's num_cpus, 1 when 0: never used as is)."""
+        (Ray sets OMP_NUM_THREADS to the actor's num_cpus, 1 when 0: never used as is).
+        `group` names the rank's group in the node's claims file."""
         available = cpu_plan.available_cores()
         per_rank = self.config.cores_per_rank
         reserved = cpu_plan.resolve_reserved(self.config.reserved_cpus, len(available),
                                              local_count * (per_rank or 1))
+        claims = cpu_plan.claims_path(self.node_id())
         if per_rank:
             pool, _ = cpu_plan.split(available, reserved)
-            cores, shared = cpu_plan.claim(cpu_plan.claims_path(self.node_id()), pool, per_rank)
-            if shared or len(cores) < per_rank:
+            cores, self.cores_shared = cpu_plan.claim(claims, pool, per_rank, group=group)
+            if self.cores_shared or len(cores) < per_rank:
                 logger.warning("rank %d wanted %d cores of its own and got %s, %d of them "
                                "also held by other shards: the node's %d shard cores are "
-                               "taken", self.rank, per_rank, cores, shared, len(pool))
+                               "taken", self.rank, per_rank, cores, self.cores_shared,
+                               len(pool))
         else:
             cores = cpu_plan.shard_cores(available, reserved, local_index, local_count)
         if self.config.borrow_reserved_cpus and reserved and not per_rank:
@@ -73,6 +77,13 @@ class ShardActor:
             elif self.config.reserved_cpus is not None:  # asked for explicitly
                 logger.warning("rank %d borrows no reserved cores: %d ranks on its node, "
                                "%d cores", self.rank, local_count, len(available))
+        if not per_rank:
+            self.cores_shared = cpu_plan.register(claims, cores, group)
+            if self.cores_shared:
+                logger.warning("rank %d shares %d of its cores %s with shards of other "
+                               "replicas on this node, whose ranks each split the node "
+                               "alone: give every rank whole cores of its own (the app's "
+                               "shard_cpus >= 1)", self.rank, self.cores_shared, cores)
         logger.info("core plan: %d of %d cores reserved for the serving plane%s; rank %d on "
                     "cores %s%s%s", reserved, len(available),
                     " (reserved_cpus unset)" if self.config.reserved_cpus is None else "",
@@ -143,5 +154,6 @@ class ShardActor:
             "device": str(self.runner.device) if self.runner else None,
             "torch_threads": torch.get_num_threads(),
             "cpu_affinity": sorted(os.sched_getaffinity(0)),
+            "cores_shared": self.cores_shared,
             "one_row_weights": self.runner.one_row_weights if self.runner else None,
         }

@@ -23,7 +23,9 @@ the same slices. With whole cores per rank (`cores_per_rank`, from the app's `sh
 1 or more, which Ray also counts when it places replicas) each rank instead claims its cores
 in a file per node that every shard on the node shares: the least-claimed shard cores
 first, claims of dead processes dropped. Ranks of different replicas then get disjoint
-cores wherever the node has enough, and share the least-used ones where it has not."""
+cores wherever the node has enough, and share the least-used ones where it has not. Ranks
+that split the node within their group record their cores there too, so that one which
+shares cores with another replica's ranks can say so."""
 
 from __future__ import annotations
 
@@ -84,12 +86,10 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
-def claim(path: str, pool: list[int], want: int, pid: int | None = None) -> tuple[list[int], int]:
-    """Claim `want` cores of `pool` for process `pid` (this one) in the claims file at
-    `path`: the cores fewest live processes hold, lowest first. A process claims once (a
-    second claim replaces its first). Returns (the cores, how many of them another live
-    process also holds: more than zero only where the pool has too few free)."""
-    pid = os.getpid() if pid is None else pid
+@contextlib.contextmanager
+def _live_claims(path: str, pid: int):
+    """The node's live claims but `pid`'s own, under the file's lock; what the caller
+    leaves in the dict is written back."""
     with open(path + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         claims: dict[str, dict] = {}
@@ -98,11 +98,32 @@ def claim(path: str, pool: list[int], want: int, pid: int | None = None) -> tupl
                 claims = json.load(f)
         live = {p: c for p, c in claims.items()
                 if int(p) != pid and c.get("start") == _start_time(int(p))}
-        held = collections.Counter(core for c in live.values() for core in c["cores"])
-        cores = sorted(sorted(pool, key=lambda core: (held[core], core))[:max(1, want)])
-        live[str(pid)] = {"start": _start_time(pid), "cores": cores}
+        yield live
         tmp = f"{path}.{pid}.tmp"
         with open(tmp, "w") as f:
             json.dump(live, f)
         os.replace(tmp, path)
+
+
+def claim(path: str, pool: list[int], want: int, pid: int | None = None,
+          group: str = "") -> tuple[list[int], int]:
+    """Claim `want` cores of `pool` for process `pid` (this one) in the claims file at
+    `path`: the cores fewest live processes hold, lowest first. A process claims once (a
+    second claim replaces its first). Returns (the cores, how many of them another live
+    process also holds: more than zero only where the pool has too few free)."""
+    pid = os.getpid() if pid is None else pid
+    with _live_claims(path, pid) as live:
+        held = collections.Counter(core for c in live.values() for core in c["cores"])
+        cores = sorted(sorted(pool, key=lambda core: (held[core], core))[:max(1, want)])
+        live[str(pid)] = {"start": _start_time(pid), "cores": cores, "group": group}
     return cores, sum(1 for core in cores if held[core])
+
+
+def register(path: str, cores: list[int], group: str, pid: int | None = None) -> int:
+    """Record that process `pid` (this one), a rank of `group`, uses `cores` (a slice its
+    group chose alone); returns how many of them live ranks of other groups use too."""
+    pid = os.getpid() if pid is None else pid
+    with _live_claims(path, pid) as live:
+        others = {core for c in live.values() if c.get("group") != group for core in c["cores"]}
+        live[str(pid)] = {"start": _start_time(pid), "cores": sorted(cores), "group": group}
+    return len(others & set(cores))

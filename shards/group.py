@@ -19,6 +19,7 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -83,7 +84,8 @@ class ShardGroup:
     def _bind_cpus(self, timeout_s: float) -> None:
         """Give each rank its own slice of its node's cores (shards/cpu_plan.py)."""
         nodes = ray.get([a.node_id.remote() for a in self.actors], timeout=timeout_s)
-        ray.get([a.bind_cpus.remote(nodes[:rank].count(node), nodes.count(node))
+        group = uuid.uuid4().hex
+        ray.get([a.bind_cpus.remote(nodes[:rank].count(node), nodes.count(node), group)
                  for rank, (a, node) in enumerate(zip(self.actors, nodes, strict=True))],
                 timeout=timeout_s)
 

@@ -69,3 +69,21 @@ def test_a_reused_pid_does_not_keep_a_dead_claim(tmp_path):
 
 def test_more_cores_wanted_than_the_pool_has_gives_the_pool(tmp_path):
     assert cpu_plan.claim(str(tmp_path / "c.json"), [4, 5], 3) == ([4, 5], 0)
+
+
+def test_register_counts_only_other_groups_live_ranks_on_the_same_cores(tmp_path):
+    path = str(tmp_path / "cores.json")
+    a, b, c = started(), started(), started()
+    try:
+        assert cpu_plan.register(path, [0, 1], "g1", a.pid) == 0
+        assert cpu_plan.register(path, [0], "g2", b.pid) == 1  # g1 uses core 0
+        assert cpu_plan.register(path, [0], "g2", c.pid) == 1  # b is of its own group
+        a.kill()
+        a.wait()
+        assert cpu_plan.register(path, [1], "g3") == 0  # a is dead
+        with open(path) as f:
+            assert {v["group"] for v in json.load(f).values()} == {"g2", "g3"}
+    finally:
+        for p in (a, b, c):
+            p.kill()
+            p.wait()

@@ -372,6 +372,24 @@ def test_core_plan_pins_each_rank_and_sizes_its_threads(llama_dir, tp, reserved,
     assert [p["one_row_weights"] for p in placements] == [one_row] * tp
 
 
+def gone_from_claims(node_id: str, pids: list[int] | None = None, timeout_s: float = 30):
+    """Wait until the processes (every one the node's claims file names, by default) have
+    exited: ray.kill returns before an actor's process is gone."""
+    from shards import cpu_plan
+
+    path = cpu_plan.claims_path(node_id)
+    if pids is None:
+        try:
+            with open(path) as f:
+                pids = [int(pid) for pid in json.load(f)]
+        except FileNotFoundError:
+            return
+    deadline = time.monotonic() + timeout_s
+    while any(os.path.exists(f"/proc/{pid}") for pid in pids):
+        assert time.monotonic() < deadline, f"shard processes {pids} outlived their groups"
+        time.sleep(0.2)
+
+
 def test_whole_cores_per_rank_are_claimed_node_wide_and_freed_when_a_rank_dies(llama_dir):
     """Two replicas' groups on one node, each rank owning one whole core (the app's
     shard_cpus=1): they get different cores, where groups that split the node among their
@@ -381,6 +399,7 @@ def test_whole_cores_per_rank_are_claimed_node_wide_and_freed_when_a_rank_dies(l
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) != 2:
         pytest.skip("written for this project's 2-core machines")
+    gone_from_claims(ray.get_runtime_context().get_node_id())
     config = ShardConfig(model=llama_dir, num_blocks=8, reserved_cpus=0, cores_per_rank=1)
 
     def placed(group: ShardGroup) -> dict:
@@ -390,9 +409,7 @@ def test_whole_cores_per_rank_are_claimed_node_wide_and_freed_when_a_rank_dies(l
     try:
         a, b = placed(first), placed(second)
         first.shutdown()
-        deadline = time.monotonic() + 30
-        while os.path.exists(f"/proc/{a['pid']}") and time.monotonic() < deadline:
-            time.sleep(0.2)
+        gone_from_claims(a["node_id"], [a["pid"]])
         third = ShardGroup(config, 1, num_cpus_per_shard=0.5)
         try:
             c = placed(third)
@@ -403,9 +420,33 @@ def test_whole_cores_per_rank_are_claimed_node_wide_and_freed_when_a_rank_dies(l
         second.shutdown()
     assert [p["cpu_affinity"] for p in (a, b, c)] == [[cores[0]], [cores[1]], [cores[0]]]
     assert [p["torch_threads"] for p in (a, b, c)] == [1, 1, 1]
+    assert [p["cores_shared"] for p in (a, b, c)] == [0, 0, 0]
     with open(cpu_plan.claims_path(c["node_id"])) as f:
         claims = json.load(f)
     assert {int(pid) for pid in claims} == {b["pid"], c["pid"]}  # the dead rank's claim dropped
+
+
+def test_groups_that_split_the_node_alone_see_that_they_share_its_cores(llama_dir):
+    """Without whole cores per rank each group splits the node among its own ranks, so a
+    second replica's rank lands on the first's cores: it says so (placement's cores_shared,
+    and a warning in its log). Ranks of one group on one core are not counted."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) != 2:
+        pytest.skip("written for this project's 2-core machines")
+    gone_from_claims(ray.get_runtime_context().get_node_id())
+    split = ShardConfig(model=llama_dir, num_blocks=8, reserved_cpus=0)
+    first = ShardGroup(split, 1, num_cpus_per_shard=0.5)
+    try:
+        second = ShardGroup(ShardConfig(model=llama_dir, num_blocks=8, reserved_cpus=1), 2,
+                            num_cpus_per_shard=0.5)
+        try:
+            ours = [ray.get(a.placement.remote()) for a in (*first.actors, *second.actors)]
+        finally:
+            second.shutdown()
+    finally:
+        first.shutdown()
+    assert [p["cpu_affinity"] for p in ours] == [cores, [cores[0]], [cores[0]]]
+    assert [p["cores_shared"] for p in ours] == [0, 1, 1]
 
 
 def test_borrowed_cores_run_big_steps_and_one_token_steps_keep_to_their_own(llama_dir,
