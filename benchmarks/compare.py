@@ -134,27 +134,37 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
         base_env, f"static batches of <= {args.batch_size}, 50 ms wait")
     chosen = []
     for key in args.servers:
-        base, _, overrides = key.partition("@")
-        if overrides and base.startswith("raygen") and base in servers:
-            # A variant of a raygen server: `raygen-tp1@cpu_matmul=torch+replica_fast_path=false`
-            # adds those builder args (JSON values where they parse, else strings).
-            extra = {}
-            for pair in overrides.split("+"):
-                name, _, value = pair.partition("=")
-                try:
-                    extra[name] = json.loads(value)
-                except json.JSONDecodeError:
-                    extra[name] = value
+        spec, _, env_overrides = key.partition("%")
+        base, _, overrides = spec.partition("@")
+        if (overrides or env_overrides) and base.startswith("raygen") and base in servers:
             server = servers[base]
-            if server.command[2].endswith(".json"):
-                config = json.loads(Path(server.command[2]).read_text())
-                config["applications"][0]["args"].update(extra)
-                command = [*server.command[:2], _serve_config(
-                    config["applications"][0]["import_path"], config["applications"][0]["args"])]
-            else:  # an import path: builder args on the command line
-                command = [*server.command, *overrides.split("+")]
-            servers[key] = Server(key, f"{server.name} [{overrides}]", command, server.env,
-                                  server.note, server.stop_signal)
+            command, name = server.command, server.name
+            if overrides:
+                # A variant of a raygen server: `raygen-tp1@cpu_matmul=torch+num_blocks=512`
+                # adds those builder args (JSON values where they parse, else strings).
+                extra = {}
+                for pair in overrides.split("+"):
+                    arg, _, value = pair.partition("=")
+                    try:
+                        extra[arg] = json.loads(value)
+                    except json.JSONDecodeError:
+                        extra[arg] = value
+                if server.command[2].endswith(".json"):
+                    config = json.loads(Path(server.command[2]).read_text())
+                    config["applications"][0]["args"].update(extra)
+                    app = config["applications"][0]
+                    command = [*server.command[:2],
+                               _serve_config(app["import_path"], app["args"])]
+                else:  # an import path: builder args on the command line
+                    command = [*server.command, *overrides.split("+")]
+                name += f" [{overrides}]"
+            # After %: environment variables for `serve run`, and so for the Ray instance it
+            # starts (`raygen-import-path%RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5`).
+            env = dict(pair.partition("=")[::2] for pair in env_overrides.split("+") if pair)
+            if env:
+                name += f" [env {env_overrides}]"
+            servers[key] = Server(key, name, command, {**server.env, **env}, server.note,
+                                  server.stop_signal)
         if key not in servers:
             raise SystemExit(f"unknown server {key!r}; choose from {sorted(servers)}")
         if key == "transformers-serve" and not tf_bin.exists():
@@ -404,7 +414,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma list of raygen-tp1, raygen-tp2, raygen-import-path, "
                         "raygen-default-proxy, "
                         "vllm-cpu, transformers-serve, serve-batch; a raygen key takes builder "
-                        "args after @: raygen-default-proxy@replica_fast_path=false+num_blocks=512")
+                        "args after @: raygen-default-proxy@replica_fast_path=false+"
+                        "num_blocks=512, and environment variables for serve run after %: "
+                        "raygen-import-path@reserved_cpus=0%RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5")
     p.add_argument("--concurrency", default="1,8,32,64", help="prefill-heavy workload levels")
     p.add_argument("--decode-heavy-concurrency", default="32",
                    help="levels for the decode-heavy workload ('' skips it)")

@@ -95,3 +95,16 @@ def test_raygen_variants_pass_builder_args_to_a_config_or_the_command_line(llama
     config = json.loads(open(proxy.command[2]).read())
     assert "controller_options" not in config
     assert config["applications"][0]["args"] == {"model": llama_dir, "num_blocks": 512}
+
+
+def test_raygen_variants_pass_environment_variables_after_a_percent_sign(llama_dir):
+    from benchmarks.compare import make_servers, parse_args
+
+    args = parse_args(["--model", llama_dir, "--servers",
+                       "raygen-import-path%RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5+X=1,"
+                       "raygen-import-path@reserved_cpus=0%X=2"])
+    env_only, both = make_servers(args)
+    assert env_only.command[1:] == ["run", "deployments.app:build_app", f"model={llama_dir}"]
+    assert (env_only.env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"], env_only.env["X"]) == ("0.5", "1")
+    assert both.command[-1] == "reserved_cpus=0" and both.env["X"] == "2"
+    assert both.env["HF_HUB_OFFLINE"] == "1"  # the server's own environment is kept
