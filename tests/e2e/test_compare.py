@@ -108,3 +108,11 @@ def test_raygen_variants_pass_environment_variables_after_a_percent_sign(llama_d
     assert (env_only.env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"], env_only.env["X"]) == ("0.5", "1")
     assert both.command[-1] == "reserved_cpus=0" and both.env["X"] == "2"
     assert both.env["HF_HUB_OFFLINE"] == "1"  # the server's own environment is kept
+
+
+def test_help_prints(capsys):
+    from benchmarks.compare import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--help"])
+    assert exit_.value.code == 0 and "after %:" in capsys.readouterr().out
