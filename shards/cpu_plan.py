@@ -33,8 +33,11 @@ import collections
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import tempfile
+
+logger = logging.getLogger(__name__)
 
 
 def available_cores() -> list[int]:
@@ -112,10 +115,14 @@ def claim(path: str, pool: list[int], want: int, pid: int | None = None,
     second claim replaces its first). Returns (the cores, how many of them another live
     process also holds: more than zero only where the pool has too few free)."""
     pid = os.getpid() if pid is None else pid
-    with _live_claims(path, pid) as live:
-        held = collections.Counter(core for c in live.values() for core in c["cores"])
-        cores = sorted(sorted(pool, key=lambda core: (held[core], core))[:max(1, want)])
-        live[str(pid)] = {"start": _start_time(pid), "cores": cores, "group": group}
+    try:
+        with _live_claims(path, pid) as live:
+            held = collections.Counter(core for c in live.values() for core in c["cores"])
+            cores = sorted(sorted(pool, key=lambda core: (held[core], core))[:max(1, want)])
+            live[str(pid)] = {"start": _start_time(pid), "cores": cores, "group": group}
+    except OSError as exc:  # no claims file: the first cores, as if the node were empty
+        logger.warning("cannot claim cores in %s (%s): taking the first %d", path, exc, want)
+        return sorted(pool[:max(1, want)]), 0
     return cores, sum(1 for core in cores if held[core])
 
 
@@ -123,7 +130,12 @@ def register(path: str, cores: list[int], group: str, pid: int | None = None) ->
     """Record that process `pid` (this one), a rank of `group`, uses `cores` (a slice its
     group chose alone); returns how many of them live ranks of other groups use too."""
     pid = os.getpid() if pid is None else pid
-    with _live_claims(path, pid) as live:
-        others = {core for c in live.values() if c.get("group") != group for core in c["cores"]}
-        live[str(pid)] = {"start": _start_time(pid), "cores": sorted(cores), "group": group}
+    try:
+        with _live_claims(path, pid) as live:
+            others = {core for c in live.values() if c.get("group") != group
+                      for core in c["cores"]}
+            live[str(pid)] = {"start": _start_time(pid), "cores": sorted(cores), "group": group}
+    except OSError as exc:  # only a warning is lost
+        logger.warning("cannot record cores in %s (%s)", path, exc)
+        return 0
     return len(others & set(cores))

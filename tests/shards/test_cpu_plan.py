@@ -87,3 +87,11 @@ def test_register_counts_only_other_groups_live_ranks_on_the_same_cores(tmp_path
         for p in (a, b, c):
             p.kill()
             p.wait()
+
+
+def test_an_unwritable_claims_file_costs_only_the_claims(tmp_path):
+    """A node where the claims file cannot be written still pins its shards: the first
+    cores of the pool, and no sharing reported."""
+    path = str(tmp_path / "missing-dir" / "cores.json")
+    assert cpu_plan.claim(path, [2, 3, 4], 2) == ([2, 3], 0)
+    assert cpu_plan.register(path, [0, 1], "g") == 0
