@@ -75,8 +75,8 @@ def replica_actor_options(args: AppArgs, num_cpus: float,
 # On Ctrl-C the ingress waits the draining period for load balancers to stop sending to it
 # (Ray's default, 30 s, is for clusters; HAProxy retries refused connections).
 # Not part of Serve's mode but set with it: Serve's controller wakes every 0.5 s instead of
-# 0.1 s. Each wake-up (and the GCS calls it makes) preempts a shard thread on a node whose
-# cores the controller shares with the shards: +3.5% and +10.5% output tok/s at concurrency
+# 0.1 s. Each wake-up (and the GCS calls it makes) can preempt a shard thread on a node
+# whose cores the controller shares with the shards: +3.5% and +10.5% output tok/s at concurrency
 # 32, +2.9% and +5.3% decode-heavy, +2% at 1 on 2 cores (benchmarks/NOTES.md 40). Serve
 # then reacts to replica changes within 0.5 s.
 THROUGHPUT_MODE_ENV = {
