@@ -59,7 +59,11 @@ class AppArgs(BaseModel):
         "more than one token on the reserved cores too (a thread each); one-token steps "
         "keep to its own cores, so the serving plane has the rest while decoding one "
         "sequence. Unset: on where reserved_cpus is unset or >= 1 on CPU shards")
-    compiled_graph: bool | None = None
+    compiled_graph: bool | None = Field(
+        None, description="run the shards' steps through a Ray Compiled Graph (shared-memory "
+        "channels) instead of one actor call per rank. Unset: on for tensor_parallel_size > 1. "
+        "Its ranks spin a core each while they wait for a step, so after 1 s without one "
+        "the group parks them in a blocking wait (shards/group.py)")
     async_scheduling: bool | None = Field(
         None, description="schedule the next step while the current one runs; the shards "
         "feed their own samples in (engine/scheduler.py). Unset: on, unless the shards run "

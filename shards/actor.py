@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import socket
+import threading
 import time
 
 import torch
@@ -35,10 +36,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Park:
+    """A compiled graph's step that holds its ranks while the group is idle: a rank waits
+    in it, blocked, until `ShardActor.unpark`. A rank that waits for its next step in the
+    graph's shared-memory channel spins a core instead (Ray's reader polls with
+    sched_yield), which an idle server should not."""
+
+
 class ShardActor:
     def __init__(self, config: ShardConfig, rank: int, world_size: int):
         logs.to_stderr(f"shard rank {rank}/{world_size}")
         self.config = config
+        self._unparked = threading.Event()
+        self._parked = False
         self.rank = rank
         self.world_size = world_size
         self.runner: ModelRunner | None = None
@@ -132,10 +142,25 @@ class ShardActor:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.runner.allocate_kv_cache(num_blocks)
 
-    def step(self, step_input: StepInput) -> StepOutput | None:
+    def step(self, step_input: StepInput | Park) -> StepOutput | None:
+        if isinstance(step_input, Park):
+            self._parked = True
+            self._unparked.wait()
+            self._unparked.clear()
+            self._parked = False
+            return None
         if self.config.debug_prefill_delay_s and step_input.new_requests:
             time.sleep(self.config.debug_prefill_delay_s)  # tests: a long step, on purpose
         return self.runner.step(step_input)
+
+    def unpark(self) -> None:
+        """End the Park step this rank waits in (an actor call, so it runs on the actor's
+        default thread while the compiled graph's loop holds its own)."""
+        self._unparked.set()
+
+    def parked(self) -> bool:
+        """Whether this rank waits in a Park step (for tests)."""
+        return self._parked
 
     def placement(self) -> dict:
         """Where Ray put this rank: for tests and the dashboard."""

@@ -10,7 +10,13 @@ rank or an error fails the group. Liveness comes from the GCS (is the actor proc
 never from a call to the actor, which would queue behind the step it is running. A watchdog
 thread asks the GCS every second while a step is in flight, so a rank that dies mid-step
 fails the step within a second or two even while the survivors are blocked in a collective
-waiting for it."""
+waiting for it.
+
+A compiled graph's ranks wait for their next step in a shared-memory channel whose reader
+spins (a core per rank). So once the group has run no step for PARK_AFTER_S it parks them:
+it sends a Park step, in which each rank blocks on an event, and leaves its result unread.
+The next step first wakes the ranks (`unpark`, an ordinary actor call), reads the Park's
+result, then runs."""
 
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.messages import StepInput, StepOutput
-from shards.actor import ShardActor
+from shards.actor import Park, ShardActor
 from shards.model_runner import ShardConfig
 
 logger = logging.getLogger(__name__)
@@ -40,6 +46,9 @@ WATCHDOG_INTERVAL_S = 1.0
 # A step that failed without a rank reported dead: how long to keep asking the GCS
 # before blaming no rank (a process killed a moment ago may not be marked dead yet).
 DEATH_REPORT_GRACE_S = 3.0
+# A compiled graph's ranks are parked (blocked instead of spinning) after this long without
+# a step; checked on the watchdog's tick, so they park 1-2 s into an idle spell.
+PARK_AFTER_S = 1.0
 
 
 class ShardError(RuntimeError):
@@ -52,12 +61,18 @@ class ShardGroup:
                  name_prefix: str | None = None, init_timeout_s: float = 600.0,
                  compiled_graph: bool | None = None):
         self.config = config
-        # Measured (benchmarks/step_overhead.py, 2 CPU cores): a compiled graph halves a
-        # TP=2 decode step but slows TP=1, whose channel polling competes with torch for
-        # the cores. None picks what was faster: compiled for tp > 1.
+        # Measured on 2 CPU cores (benchmarks/NOTES.md 41): a compiled graph makes a TP=2
+        # decode step 12% shorter and serves 6-17% more tok/s, but slows TP=1, whose
+        # channel polling competes with torch for the cores. None picks what was faster:
+        # compiled for tp > 1.
         self.use_compiled_graph = (tensor_parallel_size > 1 if compiled_graph is None
                                    else compiled_graph)
         self._graph = None  # compiled at warmup, so no serving step pays for it
+        self._parked_refs: list | None = None  # the Park step's unread result, while parked
+        # One graph execution at a time: steps come from the step thread, or from a caller's
+        # own thread through step(), and parks from the step thread.
+        self._graph_lock = threading.Lock()
+        self._last_step = time.monotonic()  # when the last step ended
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="shard-group")
         self._lock = threading.Lock()  # the step thread and the watchdog may both fail us
         self._steps_in_flight = 0
@@ -158,7 +173,12 @@ class ShardGroup:
             self._count_in_flight(-1)
 
     def _step_compiled(self, step_input: StepInput) -> StepOutput | None:
+        with self._graph_lock:
+            return self._step_compiled_locked(step_input)
+
+    def _step_compiled_locked(self, step_input: StepInput) -> StepOutput | None:
         try:
+            self._unpark()
             refs = self._compiled().execute(step_input)
             # timeout=-1: no deadline (Ray's default is RAY_CGRAPH_get_timeout, 10 s). A
             # compiled ref can be read only once, and a timed-out read of several channels
@@ -167,6 +187,36 @@ class ShardGroup:
             return [ref.get(timeout=-1) for ref in refs][0]
         except Exception as exc:  # any failure of the graph ends it: the group is done
             raise self._fail(self._wait_for_dead_rank(), exc) from exc
+        finally:
+            self._last_step = time.monotonic()
+
+    @property
+    def parked(self) -> bool:
+        """Whether the ranks wait in a Park step (a compiled graph, idle)."""
+        return self._parked_refs is not None
+
+    def _park(self) -> None:
+        """On the step thread: park the ranks if no step ran for PARK_AFTER_S."""
+        if not self._graph_lock.acquire(blocking=False):  # a step is running
+            return
+        try:
+            if (self._parked_refs is None and self.healthy and not self._steps_in_flight
+                    and time.monotonic() - self._last_step >= PARK_AFTER_S):
+                self._parked_refs = self._compiled().execute(Park())
+        except Exception as exc:
+            self._fail(self._wait_for_dead_rank(), exc)
+        finally:
+            self._graph_lock.release()
+
+    def _unpark(self) -> None:
+        """Wake parked ranks and read their Park step's result, so a step can follow."""
+        refs, self._parked_refs = self._parked_refs, None
+        if refs is None:
+            return
+        for actor in self.actors:
+            actor.unpark.remote()
+        for ref in refs:  # a dead rank never answers: the watchdog fails the group
+            ref.get(timeout=-1)
 
     def _submit(self, step_input: StepInput) -> list[ray.ObjectRef]:
         """Start a step on every rank; an actor runs its steps in the order submitted,
@@ -217,6 +267,7 @@ class ShardGroup:
     def _watch(self) -> None:
         while not self._closed.wait(WATCHDOG_INTERVAL_S):
             if not self._steps_in_flight:
+                self._park_when_idle()
                 continue
             try:
                 rank = self._dead_rank()
@@ -225,6 +276,17 @@ class ShardGroup:
                 continue
             if rank is not None:
                 self._fail(rank, RayActorError(error_msg=f"rank {rank} is dead"))
+
+    def _park_when_idle(self) -> None:
+        """Queue a park behind any step already handed to the step thread, which then
+        decides: a step that ran meanwhile makes it a no-op."""
+        if (self._graph is None or self._parked_refs is not None
+                or time.monotonic() - self._last_step < PARK_AFTER_S):
+            return
+        try:
+            self._executor.submit(self._park)
+        except RuntimeError:  # shut down meanwhile
+            pass
 
     def _dead_rank(self) -> int | None:
         """The first rank the GCS reports dead, if any."""

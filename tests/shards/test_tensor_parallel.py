@@ -210,6 +210,59 @@ def test_killing_a_shard_fails_in_flight_requests_fast_and_a_fresh_group_works(
         fresh.group.shutdown()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used so far (/proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until_parked(group: ShardGroup, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not (group.parked and all(ray.get([a.parked.remote() for a in group.actors]))):
+        assert time.monotonic() < deadline, "the idle group never parked its ranks"
+        time.sleep(0.2)
+
+
+def test_an_idle_compiled_group_parks_its_ranks_and_wakes_them_for_the_next_step(
+        llama_dir, tokenizer):
+    """Waiting in the graph's channel, a rank spins a core; parked, it blocks. Either way
+    the next step must run, and give transformers' tokens."""
+    llm = GroupLLM(llama_dir, 2, tokenizer)
+    prompts = make_prompts(2048, [23, 41], seed=81)
+    try:
+        assert llm.group.use_compiled_graph
+        pids = [p["pid"] for p in llm.group.placements()]
+        for _ in range(2):  # parked after start-up, then again after serving
+            wait_until_parked(llm.group)
+            before, t0 = [cpu_seconds(pid) for pid in pids], time.monotonic()
+            time.sleep(2.0)
+            used = [cpu_seconds(pid) - b for pid, b in zip(pids, before, strict=True)]
+            # a spinning rank uses most of a core (about 0.9 s a second on this machine)
+            assert max(used) < 0.25 * (time.monotonic() - t0), used
+            got, _ = run_staggered(llm, prompts, [10, 10])
+            assert not llm.group.parked
+            assert got == {f"r{i}": hf_greedy(llama_dir, p, 10) for i, p in enumerate(prompts)}
+        assert llm.group.check_health()
+    finally:
+        llm.group.shutdown()
+
+
+def test_a_rank_that_dies_while_parked_fails_the_next_step_by_name(llama_dir, tokenizer):
+    llm = GroupLLM(llama_dir, 2, tokenizer)
+    try:
+        wait_until_parked(llm.group)
+        ray.kill(llm.group.actors[1])
+        llm.engine.add_request("p", make_prompts(2048, [12], seed=83)[0],
+                               SamplingParams(max_new_tokens=4))
+        with ThreadPoolExecutor(1) as pool:  # a hang fails the test instead of the suite
+            step = pool.submit(llm.group.step, llm.engine.schedule().step_input)
+            with pytest.raises(ShardError, match=r"^shard rank 1 died"):
+                step.result(timeout=60)
+        assert not llm.group.healthy
+    finally:
+        llm.group.shutdown()
+
+
 # Longer than every deadline the step path ever had: the watchdog interval (1 s), the old
 # health-check call (10 s) and Ray's compiled-graph read timeout (RAY_CGRAPH_get_timeout, 10 s).
 LONG_STEP_S = 15.0
