@@ -204,7 +204,8 @@ class ShardGroup:
                     and time.monotonic() - self._last_step >= PARK_AFTER_S):
                 self._parked_refs = self._compiled().execute(Park())
         except Exception as exc:
-            self._fail(self._wait_for_dead_rank(), exc)
+            if self.healthy:  # not a graph that a shutdown tore down meanwhile
+                self._fail(self._wait_for_dead_rank(), exc)
         finally:
             self._graph_lock.release()
 
