@@ -229,6 +229,7 @@ def test_an_idle_compiled_group_parks_its_ranks_and_wakes_them_for_the_next_step
     the next step must run, and give transformers' tokens."""
     llm = GroupLLM(llama_dir, 2, tokenizer)
     prompts = make_prompts(2048, [23, 41], seed=81)
+    pool = ThreadPoolExecutor(1)  # ranks never woken fail the test rather than hang it
     try:
         assert llm.group.use_compiled_graph
         pids = [p["pid"] for p in llm.group.placements()]
@@ -239,28 +240,30 @@ def test_an_idle_compiled_group_parks_its_ranks_and_wakes_them_for_the_next_step
             used = [cpu_seconds(pid) - b for pid, b in zip(pids, before, strict=True)]
             # a spinning rank uses most of a core (about 0.9 s a second on this machine)
             assert max(used) < 0.25 * (time.monotonic() - t0), used
-            got, _ = run_staggered(llm, prompts, [10, 10])
+            got, _ = pool.submit(run_staggered, llm, prompts, [10, 10]).result(timeout=120)
             assert not llm.group.parked
             assert got == {f"r{i}": hf_greedy(llama_dir, p, 10) for i, p in enumerate(prompts)}
         assert llm.group.check_health()
     finally:
         llm.group.shutdown()
+        pool.shutdown(wait=False)
 
 
 def test_a_rank_that_dies_while_parked_fails_the_next_step_by_name(llama_dir, tokenizer):
     llm = GroupLLM(llama_dir, 2, tokenizer)
+    pool = ThreadPoolExecutor(1)  # a hang fails the test instead of holding up the suite
     try:
         wait_until_parked(llm.group)
         ray.kill(llm.group.actors[1])
         llm.engine.add_request("p", make_prompts(2048, [12], seed=83)[0],
                                SamplingParams(max_new_tokens=4))
-        with ThreadPoolExecutor(1) as pool:  # a hang fails the test instead of the suite
-            step = pool.submit(llm.group.step, llm.engine.schedule().step_input)
-            with pytest.raises(ShardError, match=r"^shard rank 1 died"):
-                step.result(timeout=60)
+        step = pool.submit(llm.group.step, llm.engine.schedule().step_input)
+        with pytest.raises(ShardError, match=r"^shard rank 1 died"):
+            step.result(timeout=60)
         assert not llm.group.healthy
     finally:
-        llm.group.shutdown()
+        llm.group.shutdown()  # its teardown ends a read that still waits
+        pool.shutdown(wait=False)
 
 
 # Longer than every deadline the step path ever had: the watchdog interval (1 s), the old
