@@ -174,21 +174,19 @@ class ShardGroup:
 
     def _step_compiled(self, step_input: StepInput) -> StepOutput | None:
         with self._graph_lock:
-            return self._step_compiled_locked(step_input)
-
-    def _step_compiled_locked(self, step_input: StepInput) -> StepOutput | None:
-        try:
-            self._unpark()
-            refs = self._compiled().execute(step_input)
-            # timeout=-1: no deadline (Ray's default is RAY_CGRAPH_get_timeout, 10 s). A
-            # compiled ref can be read only once, and a timed-out read of several channels
-            # drops what it had read, so it cannot be polled; the watchdog thread watches
-            # for dead ranks instead, and a death closes the channels under this read.
-            return [ref.get(timeout=-1) for ref in refs][0]
-        except Exception as exc:  # any failure of the graph ends it: the group is done
-            raise self._fail(self._wait_for_dead_rank(), exc) from exc
-        finally:
-            self._last_step = time.monotonic()
+            try:
+                self._unpark()
+                refs = self._compiled().execute(step_input)
+                # timeout=-1: no deadline (Ray's default is RAY_CGRAPH_get_timeout, 10 s). A
+                # compiled ref can be read only once, and a timed-out read of several
+                # channels drops what it had read, so it cannot be polled; the watchdog
+                # thread watches for dead ranks instead, and a death closes the channels
+                # under this read.
+                return [ref.get(timeout=-1) for ref in refs][0]
+            except Exception as exc:  # any failure of the graph ends it: the group is done
+                raise self._fail(self._wait_for_dead_rank(), exc) from exc
+            finally:
+                self._last_step = time.monotonic()
 
     @property
     def parked(self) -> bool:
