@@ -38,6 +38,15 @@ RECOVERY_TIMEOUT_S = 180.0
 KV_DRAIN_TIMEOUT_S = 30.0
 
 
+def is_replica_of(title: str, deployment: str) -> bool:
+    """Whether a process title is a Serve replica of `deployment`. Ray titles a replica
+    `ray::ServeReplica:<app>:<deployment>`, and `...:<deployment>.<method>` while it runs a
+    call (a streaming one can last seconds)."""
+    if not title.startswith("ray::ServeReplica:"):
+        return False
+    return title.strip().rsplit(":", 1)[-1].split(".", 1)[0] == deployment
+
+
 def server_processes(targets: list[str]) -> list[tuple[str, int]]:
     """(kind, pid) of this machine's shard actors and batcher replicas, by process title."""
     found = []
@@ -50,8 +59,7 @@ def server_processes(targets: list[str]) -> list[tuple[str, int]]:
             continue
         if "shard" in targets and title.startswith("ray::ShardActor"):
             found.append(("shard", int(proc.name)))
-        elif ("batcher" in targets and title.startswith("ray::ServeReplica:")
-              and title.rstrip().endswith(":Batcher")):
+        elif "batcher" in targets and is_replica_of(title, "Batcher"):
             found.append(("batcher", int(proc.name)))
     return sorted(found)
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.chaos import is_replica_of
 from benchmarks.serve import default_sigint
 
 BASE = "http://127.0.0.1:8000"
@@ -46,12 +47,12 @@ def listener(port: int) -> str | None:
 
 
 def replica_environ(deployment: str) -> dict[str, str]:
-    """The environment of the Serve replica process of `deployment` (Ray names its worker
-    processes `ray::ServeReplica:<app>:<deployment>`), from /proc."""
+    """The environment of the Serve replica process of `deployment` (found by its Ray
+    process title, idle or running a call), from /proc."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError):
             title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode().strip()
-            if title.startswith("ray::ServeReplica:") and title.endswith(f":{deployment}"):
+            if is_replica_of(title, deployment):
                 entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                 return dict(e.decode().partition("=")[::2] for e in entries if b"=" in e)
     raise LookupError(f"no replica process of {deployment}")

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from benchmarks.chaos import chaos, server_processes, succeeded
+from benchmarks.chaos import chaos, is_replica_of, server_processes, succeeded
 from engine.sampling_params import SamplingParams
 from shards.offline import LLM
 from tests.e2e.serving import BASE, serve_run
@@ -109,3 +109,16 @@ def test_short_chaos_run_loses_nothing(server):
     assert result["succeeded"] > 0 and result["failed_with_error"] > 0, result
     assert 0 < result["availability"] < 1, result
     assert result["sent"] == result["succeeded"] + result["failed_with_error"]
+
+
+@pytest.mark.parametrize(("title", "deployment", "expected"), [
+    ("ray::ServeReplica:default:Batcher", "Batcher", True),
+    # while it runs a call (a streaming one lasts seconds): missed before, which failed
+    # test_serve_run's environment check once
+    ("ray::ServeReplica:default:Batcher.handle_request_with_rejection", "Batcher", True),
+    ("ray::ServeReplica:my.app:Batcher", "Batcher", True),
+    ("ray::ServeReplica:default:Ingress.handle_request", "Batcher", False),
+    ("ray::ShardActor.step", "Batcher", False),
+])
+def test_replicas_are_found_by_title_idle_or_in_a_call(title, deployment, expected):
+    assert is_replica_of(title, deployment) is expected
