@@ -19,6 +19,9 @@ from shards.offline import LLM
 from tests.e2e.serving import BASE, serve_run
 
 RECOVERY_LIMIT_S = 60
+# How long after the kill a stream may still receive its last token from a step that ended
+# before the kill (the step's outputs cross the batcher, ingress and proxy).
+KILL_IN_FLIGHT_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +82,9 @@ def test_shard_sigkill_ends_streams_with_an_error_then_serves_correct_output(ser
     errors = 0
     for out in outs:
         at, last = out[-1]
-        if last.get("details") and at < killed_at:
+        # A step that ended before the kill may reach the client a moment after it (seen:
+        # EOS received just after killed_at); nothing a shard computes later can end well.
+        if last.get("details") and at < killed_at + KILL_IN_FLIGHT_S:
             continue
         assert "shard rank" in last.get("error", ""), last
         assert last["error_type"] == "generation"
