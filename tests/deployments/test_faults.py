@@ -16,6 +16,7 @@ from ray import serve
 
 from deployments.app import build_app
 from deployments.config import AppArgs
+from deployments.ingress import HEALTH_TIMEOUT_S
 from engine.sampling_params import SamplingParams
 from shards.offline import LLM
 
@@ -308,6 +309,12 @@ def test_batcher_replica_death_ends_requests_then_serves_again(apps):
     assert all_started.wait(60)
     ray.kill(ray.get_actor(replicas[0]["name"], namespace=replicas[0]["namespace"]),
              no_restart=True)
+    # While Serve replaces the replica, /health says 503 within its own deadline: it does
+    # not wait for the new replica and then answer 200.
+    t0 = time.monotonic()
+    health = httpx.get(BASE + "/health", timeout=30)
+    assert health.status_code == 503 and health.json()["error_type"] == "healthcheck"
+    assert time.monotonic() - t0 < HEALTH_TIMEOUT_S + 3
     for t in threads:
         t.join(60)
     for kind, status, lines in results:
