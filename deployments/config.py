@@ -46,8 +46,8 @@ class AppArgs(BaseModel):
         "parts at start-up (shards/compiled.py)")
     cpu_matmul: Literal["auto", "onednn", "torch"] = Field(
         "auto", description="who multiplies by the weights on CPU: oneDNN on weights "
-        "reordered at start-up (auto, unless torch_compile) or torch (MKL). Where one-token "
-        "steps run on one thread, auto also keeps a second copy of the weights for MKL's "
+        "reordered at start-up (auto, unless torch_compile) or torch (MKL). Where a shard "
+        "runs one thread, auto also keeps a second copy of the weights for MKL's "
         "one-row product, faster there; onednn keeps one copy")
     reserved_cpus: int | None = Field(
         None, ge=0, description="cores per node the shards leave to the serving plane "
@@ -55,10 +55,10 @@ class AppArgs(BaseModel):
         "own slice. Unset: on CPU, one core where every rank on the node still gets one of "
         "its own (as vLLM's CPU server reserves one), else none; on GPUs none")
     borrow_reserved_cpus: bool | None = Field(
-        None, description="with reserved cores, a rank alone on its node runs steps of "
-        "more than one token on the reserved cores too (a thread each); one-token steps "
-        "keep to its own cores, so the serving plane has the rest while decoding one "
-        "sequence. Unset: on where reserved_cpus is unset or >= 1 on CPU shards")
+        None, description="with reserved cores, a rank alone on its node runs its steps "
+        "on the reserved cores too, beside the serving plane: a torch thread bound to "
+        "each of its own and the reserved cores. Off, it keeps to its own cores. Unset: on "
+        "where reserved_cpus is unset or >= 1 on CPU shards")
     compiled_graph: bool | None = Field(
         None, description="run the shards' steps through a Ray Compiled Graph (shared-memory "
         "channels) instead of one actor call per rank. Unset: on for tensor_parallel_size > 1. "

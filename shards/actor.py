@@ -52,7 +52,8 @@ class ShardActor:
         self.rank = rank
         self.world_size = world_size
         self.runner: ModelRunner | None = None
-        self.own_cores: list[int] | None = None  # set when bigger steps borrow reserved cores
+        self.own_cores: list[int] | None = None  # set when the rank borrows reserved cores
+        self.cores: list[int] | None = None  # what bind_cpus pinned the rank to
         self.cores_shared = 0  # of its cores, how many shards of other groups also use
 
     def node_id(self) -> str:
@@ -98,8 +99,10 @@ class ShardActor:
                     "cores %s%s%s", reserved, len(available),
                     " (reserved_cpus unset)" if self.config.reserved_cpus is None else "",
                     self.rank, cores, " (claimed on the node)" if per_rank else "",
-                    f", one-token steps on {self.own_cores}" if self.own_cores else "")
+                    f", borrowing {sorted(set(cores) - set(self.own_cores))}"
+                    if self.own_cores else "")
         os.sched_setaffinity(0, cores)
+        self.cores = cores
         return cores
 
     def rendezvous_address(self) -> tuple[str, int]:
@@ -119,7 +122,7 @@ class ShardActor:
                                     rank=self.rank, world_size=self.world_size,
                                     timeout=COLLECTIVE_TIMEOUT)
         self.runner = ModelRunner(self.config, TPContext(self.rank, self.world_size),
-                                  own_cores=self.own_cores)
+                                  bind_threads=True)
         return self.weight_bytes()
 
     def weight_bytes(self) -> int:
@@ -178,7 +181,9 @@ class ShardActor:
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "device": str(self.runner.device) if self.runner else None,
             "torch_threads": torch.get_num_threads(),
-            "cpu_affinity": sorted(os.sched_getaffinity(0)),
+            # The rank's cores; torch's threads are then bound one per core within them.
+            "cpu_affinity": self.cores or sorted(os.sched_getaffinity(0)),
+            "thread_cores": self.runner.thread_cores if self.runner else None,
             "cores_shared": self.cores_shared,
             "one_row_weights": self.runner.one_row_weights if self.runner else None,
         }

@@ -8,15 +8,23 @@ the last k cores of the node and split the others, each rank on the node its own
 not pinned, and the kernel runs it where the shards are not (pinning it to the reserved
 cores measured 4-10% slower: it then queues behind itself; benchmarks/NOTES.md 27). With
 k = 0 the shards still get disjoint slices. A rank alone on its node may borrow the
-reserved cores for steps of more than one token (`borrow_reserved_cpus`): its one-token
-steps keep to its own cores, so decoding one sequence never waits for a preempted thread,
-and prefill still has every core.
+reserved cores (`borrow_reserved_cpus`): its steps then run a torch thread on each of its own
+and the reserved cores.
+
+Where a rank runs one torch thread per core of its slice, each thread is bound to one core
+(`bind_torch_threads`), as vLLM's CPU worker binds its OpenMP threads. Until
+benchmarks/NOTES.md 42 a borrowing rank kept its one-token steps to its own cores on one
+thread, through a second, K x N copy of the weights. With bound threads, every step on
+both cores measured as fast at concurrency 1 and 1-8% faster at 32, with one copy of the
+weights. (Binding alone, one-token steps still on one core, measured no change.)
 
 Unset (`reserved_cpus=None`, the serving app's default on CPU), a node keeps one core for
 the serving plane where every rank on it still gets a core of its own, as vLLM's CPU server
 reserves one: on 2 cores, one TP=1 rank pinned to core 0 borrowing core 1 for bigger steps
 measured +5% and +15% output tok/s at concurrency 1 over two unpinned threads, and
-as fast within noise at 24-32 (benchmarks/NOTES.md 38, 39); two ranks on 2 cores reserve nothing.
+as fast within noise at 24-32 (benchmarks/NOTES.md 38, 39); two ranks on 2 cores reserve
+nothing. Since every step of a borrowing rank runs on both cores, one TP=1 rank on 2 cores
+now runs its steps as it does with `reserved_cpus=0`: a bound thread on each core.
 
 The ranks of one group know only each other, so by default two replicas on one node pin to
 the same slices. With whole cores per rank (`cores_per_rank`, from the app's `shard_cpus` of
@@ -36,6 +44,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +82,32 @@ def borrowed_cores(cores: list[int], reserved: int, local_count: int) -> list[in
     """The reserved cores a rank may borrow for its bigger steps: all of them when it is
     the only rank on the node, none otherwise (ranks would contend for them)."""
     return split(cores, reserved)[1] if local_count == 1 else []
+
+
+def bind_torch_threads(cores: list[int]) -> list[int]:
+    """Bind the calling thread to the first of `cores`, and each OpenMP thread torch starts
+    for it to one of the others. Call it before the calling thread's first parallel op:
+    torch's workers are the threads that op starts (each thread that runs torch ops gets
+    its own). Returns the ids of the threads bound, the caller's first; none where torch
+    runs another number of threads than `cores`, or where the threads the op started do
+    not match (they are then left as they were)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    if threads < 2 or threads != len(cores):
+        return []
+    before = set(os.listdir("/proc/self/task"))
+    torch.ones(1 << 20).add_(1)  # large enough for torch to run it on every thread
+    started = sorted(int(t) for t in set(os.listdir("/proc/self/task")) - before)
+    if len(started) != threads - 1:
+        logger.info("torch's threads left unbound: %d threads started for %d threads "
+                       "(the caller had run a parallel op before, or another thread started)",
+                       len(started), threads)
+        return []
+    caller = threading.get_native_id()
+    for tid, core in zip([caller, *started], cores, strict=True):
+        os.sched_setaffinity(tid, [core])
+    return [caller, *started]
 
 
 def claims_path(node_id: str) -> str:

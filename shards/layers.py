@@ -58,7 +58,7 @@ class _Matmul(nn.Module):
     vs 16 GB/s; benchmarks/NOTES.md). oneDNN is also what vLLM's CPU backend and
     inductor use. Same arithmetic, another summation order.
 
-    Where one-token steps run on one thread, one-row products instead go through MKL on a
+    Where a shard runs one thread, one-row products instead go through MKL on a
     K x N copy of the weight (`transposed`): on one thread MKL streams a weight past one
     row faster than oneDNN does (a batch-1 step's linears 24-25 against 35-39 ms on that
     machine; benchmarks/NOTES.md 31). At two rows they tie, and from four oneDNN wins."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import torch.distributed as dist
 from engine.messages import StepInput, StepOutput
 from engine.sampling_params import SamplingParams
 from shards.attention import AttentionMetadata, PrefillSeq, select_backend
+from shards.cpu_plan import bind_torch_threads
 from shards.grammar import Grammars
 from shards.layers import TPContext, linear_weight_bytes, onednn_usable, pack_for_onednn
 from shards.loader import load_weights
@@ -42,8 +44,7 @@ class ShardConfig:
     # Cores per node left to the serving plane (shards/cpu_plan.py); None: one where every
     # rank on the node still gets a core of its own.
     reserved_cpus: int | None = 0
-    # CPU, one rank per node: steps of more than one token also use the reserved cores
-    # (shards/cpu_plan.py); a one-token step keeps to the rank's own cores.
+    # CPU, one rank per node: its steps also use the reserved cores (shards/cpu_plan.py).
     borrow_reserved_cpus: bool = False
     # Whole cores each rank owns, claimed node-wide so that ranks of other groups on the
     # node get other cores (shards/cpu_plan.py); None: the node's shard cores are split
@@ -98,21 +99,24 @@ def resolve_dtype(name: str, device: torch.device, checkpoint: torch.dtype) -> t
 
 class ModelRunner:
     def __init__(self, config: ShardConfig, tp: TPContext = TPContext(),
-                 own_cores: list[int] | None = None):
-        """`own_cores`: the cores a one-token step keeps to when this rank borrows the
-        serving plane's for bigger steps (its affinity then spans both)."""
+                 bind_threads: bool = False):
+        """`bind_threads`: on CPU, bind torch's threads one per core of this process's
+        affinity (a shard actor, whose process is its rank's); in-process runners leave
+        the caller's threads alone."""
         self.config = config
         self.tp = tp
         self.device = resolve_device(config.device)
-        self._cores: dict[bool, tuple[list[int], int]] = {}  # one token? -> (cores, threads)
-        self._one_token: bool | None = None  # the kind of the last step (which cores it used)
         self.one_row_weights = False  # a second copy of the weights for one-row products
+        # Torch's threads bound one per core (cpu_plan.bind_torch_threads), per thread that
+        # runs steps: this one, and a compiled graph's loop where that runs them.
+        self._cores: list[int] = []
+        self._bound: dict[int, list[int]] = {}  # thread ident -> native ids bound
         if self.device.type == "cpu":
             every = sorted(os.sched_getaffinity(0))
-            threads = config.cpu_threads or len(every)
-            torch.set_num_threads(threads)
-            if own_cores and set(own_cores) < set(every):
-                self._cores = {False: (every, threads), True: (own_cores, len(own_cores))}
+            torch.set_num_threads(config.cpu_threads or len(every))
+            if bind_threads:
+                self._cores = every
+                self._bind_threads()
         elif self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.model_config = ModelConfig.from_pretrained(config.model)
@@ -154,26 +158,25 @@ class ModelRunner:
         if self.compiled:
             raise ValueError("cpu_matmul=onednn and torch_compile exclude each other "
                              "(the compiled forward prepacks its own weights)")
-        # One-token steps on one thread (cpu_threads=1, or the core plan's own core): their
-        # one-row products are faster through MKL on a second, K x N copy of the weights.
+        # Steps on one thread (cpu_threads=1, or a rank with one core): their one-row
+        # products are faster through MKL on a second, K x N copy of the weights.
         # The copy is kept only where it and the KV cache take at most half of the memory
         # still available: the core plan is the serving app's default, and a model that
         # loads without the copy must not fail to because of it.
-        one_token_threads = self._cores[True][1] if self._cores else torch.get_num_threads()
-        self.one_row_weights = choice == "auto" and one_token_threads == 1
+        self.one_row_weights = choice == "auto" and torch.get_num_threads() == 1
         if self.one_row_weights:
             copy = linear_weight_bytes(self.model)
             kv_cache = self.profile_num_blocks(0) * self.block_bytes()  # num_blocks, or the budget
             available = available_memory()
             if not one_row_copy_fits(copy, kv_cache, available):
                 self.one_row_weights = False
-                logger.info("no K x N weight copy for one-token steps: %.0f MB of weights and "
+                logger.info("no K x N weight copy for one-row products: %.0f MB of weights and "
                             "%.0f MB of KV cache would pass half of the %.0f MB available",
                             copy / 2**20, kv_cache / 2**20, available / 2**20)
         t0 = time.perf_counter()
         size = pack_for_onednn(self.model, one_row_copy=self.one_row_weights)
         logger.info("weights reordered for oneDNN: %.0f MB in %.1f s%s", size / 2**20,
-                    time.perf_counter() - t0, "; and a K x N copy for one-token steps on one "
+                    time.perf_counter() - t0, "; and a K x N copy for one-row products on one "
                     "thread (cpu_matmul=onednn: none)" if self.one_row_weights else "")
         return "onednn"
 
@@ -264,8 +267,8 @@ class ModelRunner:
         if not input_ids:
             return None
         dev = self.device
-        if self._cores:
-            self._use_cores(len(input_ids) == 1)
+        if self._cores and threading.get_ident() not in self._bound:
+            self._bind_threads()
         positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
         meta = self._metadata(decodes, prefills, positions_t, len(input_ids), slots)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), positions_t,
@@ -281,14 +284,17 @@ class ModelRunner:
                                output.token_ids if output is not None else None)
         return output
 
-    def _use_cores(self, one_token: bool) -> None:
-        """Move this thread (torch's first) and size torch's threads for the step; the
-        other threads keep the wide affinity they were created with and sleep when unused."""
-        if one_token != self._one_token:
-            cores, threads = self._cores[one_token]
-            os.sched_setaffinity(0, cores)
-            torch.set_num_threads(threads)
-            self._one_token = one_token
+    def _bind_threads(self) -> None:
+        bound = self._bound[threading.get_ident()] = bind_torch_threads(self._cores)
+        if bound:
+            logger.info("torch's %d threads bound one per core: cores %s (%s thread)",
+                        len(bound), self._cores[:len(bound)], threading.current_thread().name)
+
+    @property
+    def thread_cores(self) -> list[list[int]]:
+        """The cores each bound torch thread may run on, read from the kernel now."""
+        return [sorted(os.sched_getaffinity(tid)) for tids in self._bound.values()
+                for tid in tids]
 
     def _keep_sampled(self, request_ids: list[str], token_ids: list[int] | None) -> None:
         """Append this step's samples to the mirror: the next step's input comes from

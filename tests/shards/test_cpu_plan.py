@@ -1,11 +1,15 @@
 """shards.cpu_plan.claim: whole cores per rank, claimed in a file every shard of a node
-shares; live processes keep their claims, dead ones lose them."""
+shares; live processes keep their claims, dead ones lose them. bind_torch_threads: one
+core per torch thread."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+
+import pytest
 
 from shards import cpu_plan
 
@@ -95,3 +99,39 @@ def test_an_unwritable_claims_file_costs_only_the_claims(tmp_path):
     path = str(tmp_path / "missing-dir" / "cores.json")
     assert cpu_plan.claim(path, [2, 3, 4], 2) == ([2, 3], 0)
     assert cpu_plan.register(path, [0, 1], "g") == 0
+
+
+BIND = """
+import json, os, sys, torch
+from shards import cpu_plan
+cores = sorted(os.sched_getaffinity(0))[:2]
+os.sched_setaffinity(0, cores)
+torch.set_num_threads(2)
+if sys.argv[1] == "used":
+    torch.ones(1 << 20).add_(1)  # torch's workers for this thread exist already
+tids = cpu_plan.bind_torch_threads(cores)
+print(json.dumps({"cores": cores, "tids": tids,
+                  "bound": [sorted(os.sched_getaffinity(t)) for t in tids],
+                  "caller": sorted(os.sched_getaffinity(0)),
+                  "sum": float(torch.arange(1 << 20, dtype=torch.float64).sum())}))
+"""
+
+
+def bind_in_fresh_process(mode: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", BIND, mode], capture_output=True, text=True,
+                         check=True, timeout=120)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_torch_threads_are_bound_one_per_core_before_their_first_parallel_op():
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two cores")
+    got = bind_in_fresh_process("fresh")
+    a, b = got["cores"]
+    assert len(got["tids"]) == 2
+    assert got["bound"] == [[a], [b]] and got["caller"] == [a]
+    assert got["sum"] == float(sum(range(1 << 20)))  # the bound threads still compute
+    # Once the caller has run a parallel op, its workers cannot be told apart: nothing is
+    # bound and the caller keeps its cores.
+    used = bind_in_fresh_process("used")
+    assert used["tids"] == [] and used["caller"] == used["cores"]

@@ -398,16 +398,17 @@ def test_constrained_output_at_tp2_equals_one_shard(llama_dir, tokenizer):
     assert [got[f"g{i}"] for i in range(len(prompts))] == expected
 
 
-# one_row: one-token steps run on one thread, so the rank keeps a K x N copy of its
-# weights for one-row products (shards/layers.py).
+# one_row: the rank runs one thread, so it keeps a K x N copy of its weights for one-row
+# products (shards/layers.py). Where it runs a thread per core of its slice, each thread
+# is bound to one of them (shards/cpu_plan.py, read back from the kernel).
 @pytest.mark.parametrize(("tp", "reserved", "threads", "affinities", "borrow", "one_row"), [
-    (1, 0, None, [[0, 1]], False, False),  # today's default: the whole node, two threads
+    (1, 0, None, [[0, 1]], False, False),  # the whole node, two threads
     (1, 1, None, [[0]], False, True),  # one pinned thread, core 1 left to the serving plane
     (2, 0, None, [[0], [1]], False, True),  # each rank its own core
     (1, 0, 1, [[0, 1]], False, True),  # cpu_threads still wins over the slice's size
-    (1, 1, None, [[0, 1]], True, True),  # borrowing: both cores until a one-token step
+    (1, 1, None, [[0, 1]], True, False),  # borrowing: a thread on each core
     (2, 1, None, [[0], [0]], True, True),  # two ranks on the node: nothing to borrow
-    (1, None, None, [[0, 1]], True, True),  # unset (the app's default): one core reserved
+    (1, None, None, [[0, 1]], True, False),  # unset (the app's default): one core reserved
     (2, None, None, [[0], [1]], True, True),  # unset, two ranks: no core left to reserve
 ])
 def test_core_plan_pins_each_rank_and_sizes_its_threads(llama_dir, tp, reserved, threads,
@@ -426,6 +427,9 @@ def test_core_plan_pins_each_rank_and_sizes_its_threads(llama_dir, tp, reserved,
     assert [p["cpu_affinity"] for p in placements] == affinities
     assert [p["torch_threads"] for p in placements] == [threads or len(a) for a in affinities]
     assert [p["one_row_weights"] for p in placements] == [one_row] * tp
+    bound = [[[core] for core in a] if (threads or len(a)) == len(a) > 1 else []
+             for a in affinities]
+    assert [p["thread_cores"] for p in placements] == bound
 
 
 def gone_from_claims(node_id: str, pids: list[int] | None = None, timeout_s: float = 30):
@@ -505,12 +509,11 @@ def test_groups_that_split_the_node_alone_see_that_they_share_its_cores(llama_di
     assert [p["cores_shared"] for p in ours] == [0, 1, 1]
 
 
-def test_borrowed_cores_run_big_steps_and_one_token_steps_keep_to_their_own(llama_dir,
-                                                                           tokenizer):
-    """reserved_cpus=1 with borrow_reserved_cpus: the rank's affinity spans both cores; a
-    step of several tokens runs two threads, a one-token step moves to core 0 with one
-    thread (read back from the actor after each kind of step), its one-row products through
-    the weights' K x N copy; output still transformers'."""
+def test_a_borrowing_rank_runs_every_step_on_a_thread_bound_to_each_core(llama_dir,
+                                                                         tokenizer):
+    """reserved_cpus=1 with borrow_reserved_cpus: the rank runs a thread on each core,
+    bound to it (read back from the kernel after a step of several tokens and after
+    one-token steps), with one copy of the weights; output still transformers'."""
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) != 2:
         pytest.skip("written for this project's 2-core machines")
@@ -533,9 +536,10 @@ def test_borrowed_cores_run_big_steps_and_one_token_steps_keep_to_their_own(llam
         outs, _ = run_staggered(llm, prompts, PARITY_NEW_TOKENS)
     finally:
         llm.group.shutdown()
-    assert (big["cpu_affinity"], big["torch_threads"]) == (cores, 2)
-    assert (one["cpu_affinity"], one["torch_threads"]) == ([cores[0]], 1)
-    assert one["one_row_weights"]
+    for placement in (big, one):
+        assert (placement["cpu_affinity"], placement["torch_threads"]) == (cores, 2)
+        assert placement["thread_cores"] == [[cores[0]], [cores[1]]]
+        assert not placement["one_row_weights"]
     assert tokens == hf_greedy(llama_dir, prompt[:-1] + [prompt[-1] % 100 + 5], 6)
     assert outs == {f"r{i}": hf_greedy(llama_dir, p, n)
                     for i, (p, n) in enumerate(zip(prompts, PARITY_NEW_TOKENS, strict=True))}
