@@ -101,8 +101,8 @@ def bind_torch_threads(cores: list[int]) -> list[int]:
     started = sorted(int(t) for t in set(os.listdir("/proc/self/task")) - before)
     if len(started) != threads - 1:
         logger.info("torch's threads left unbound: %d threads started for %d threads "
-                       "(the caller had run a parallel op before, or another thread started)",
-                       len(started), threads)
+                    "(the caller had run a parallel op before, or another thread started)",
+                    len(started), threads)
         return []
     caller = threading.get_native_id()
     for tid, core in zip([caller, *started], cores, strict=True):

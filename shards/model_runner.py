@@ -292,9 +292,15 @@ class ModelRunner:
 
     @property
     def thread_cores(self) -> list[list[int]]:
-        """The cores each bound torch thread may run on, read from the kernel now."""
-        return [sorted(os.sched_getaffinity(tid)) for tids in self._bound.values()
-                for tid in tids]
+        """The cores each bound torch thread still running may run on, read from the
+        kernel now."""
+        cores = []
+        for tid in (tid for tids in self._bound.values() for tid in tids):
+            try:
+                cores.append(sorted(os.sched_getaffinity(tid)))
+            except OSError:  # that thread has ended (a compiled graph's, torn down)
+                pass
+        return cores
 
     def _keep_sampled(self, request_ids: list[str], token_ids: list[int] | None) -> None:
         """Append this step's samples to the mirror: the next step's input comes from
