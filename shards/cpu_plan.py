@@ -16,7 +16,8 @@ Where a rank runs one torch thread per core of its slice, each thread is bound t
 benchmarks/NOTES.md 42 a borrowing rank kept its one-token steps to its own cores on one
 thread, through a second, K x N copy of the weights. With bound threads, every step on
 both cores measured as fast at concurrency 1 and 1-8% faster at 32, with one copy of the
-weights. (Binding alone, one-token steps still on one core, measured no change.)
+weights. (Binding only torch's second thread, one-token steps still on one core, measured
+no change.)
 
 Unset (`reserved_cpus=None`, the serving app's default on CPU), a node keeps one core for
 the serving plane where every rank on it still gets a core of its own, as vLLM's CPU server
