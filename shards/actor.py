@@ -3,10 +3,17 @@
 The batcher's ShardGroup creates one per rank; they meet through torch.distributed
 (NCCL on GPU, gloo on CPU) at an address rank 0 reports, then each loads only its slice of
 the weights and allocates its share of the KV cache. Every step the same StepInput object
-ref goes to all ranks; rank 0 samples and returns the StepOutput, the others None."""
+ref goes to all ranks; rank 0 samples and returns the StepOutput, the others None.
+
+All of a rank's torch work runs on one thread of its own, the torch thread: one OpenMP
+team, bound one thread per core. Actor calls hand steps to it in the order the group sent
+them, from two threads of their own (`STEP_CALLS`), so that Ray returns one step's output
+and delivers the next step's input while the torch thread already runs that next step
+(NOTES.md 43)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import logging
 import os
@@ -14,6 +21,7 @@ import socket
 import threading
 import time
 
+import ray
 import torch
 import torch.distributed as dist
 
@@ -28,6 +36,14 @@ logger = logging.getLogger(__name__)
 # rank far sooner (from the GCS) and kills the survivors. It must exceed any step's length:
 # a rank that is slow (a long prefill on a busy core) is not dead.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+
+# The actor's concurrency groups: `step_in_order` calls get two threads (the batcher has at
+# most two steps in flight); everything else keeps the default group's one.
+STEP_CALLS = "steps"
+CONCURRENCY_GROUPS = {STEP_CALLS: 2}
+# How long a step call waits for the call the group sent before it. Calls are delivered in
+# order, so only a lost call could make this wait; it fails the step rather than hang.
+PREVIOUS_CALL_TIMEOUT_S = 60.0
 
 
 def free_port() -> int:
@@ -55,10 +71,11 @@ class ShardActor:
         self.own_cores: list[int] | None = None  # set when the rank borrows reserved cores
         self.cores: list[int] | None = None  # what bind_cpus pinned the rank to
         self.cores_shared = 0  # of its cores, how many shards of other groups also use
+        self._torch: concurrent.futures.ThreadPoolExecutor | None = None
+        self._order = threading.Condition()  # step calls hand over in the group's order
+        self._next_call = 0
 
     def node_id(self) -> str:
-        import ray
-
         return ray.get_runtime_context().get_node_id()
 
     def bind_cpus(self, local_index: int, local_count: int, group: str = "") -> list[int]:
@@ -107,12 +124,25 @@ class ShardActor:
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Rank 0's node address and a free port for the process group."""
-        import ray
-
         return ray.util.get_node_ip_address(), free_port()
+
+    def _on_torch_thread(self, fn, *args):
+        return self._torch_thread().submit(fn, *args).result()
+
+    def _torch_thread(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The thread that runs all of this rank's torch work, on the cores bind_cpus gave."""
+        if self._torch is None:
+            cores = self.cores
+            self._torch = concurrent.futures.ThreadPoolExecutor(
+                1, thread_name_prefix="shard-torch",
+                initializer=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+        return self._torch
 
     def init_model(self, address: str, port: int) -> int:
         """Join the process group, load this rank's weights; returns weight bytes held."""
+        return self._on_torch_thread(self._init_model, address, port)
+
+    def _init_model(self, address: str, port: int) -> int:
         device = resolve_device(self.config.device)
         if self.world_size > 1:
             backend = "nccl" if device.type == "cuda" else "gloo"
@@ -140,18 +170,39 @@ class ShardActor:
         return total
 
     def profile_num_blocks(self, max_batch_prefill_tokens: int) -> int:
-        return self.runner.profile_num_blocks(max_batch_prefill_tokens)
+        return self._on_torch_thread(self.runner.profile_num_blocks, max_batch_prefill_tokens)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self.runner.allocate_kv_cache(num_blocks)
+        self._on_torch_thread(self.runner.allocate_kv_cache, num_blocks)
 
     def step(self, step_input: StepInput | Park) -> StepOutput | None:
+        """One step, on the torch thread (a compiled graph's steps come here)."""
         if isinstance(step_input, Park):
             self._parked = True
             self._unparked.wait()
             self._unparked.clear()
             self._parked = False
             return None
+        return self._on_torch_thread(self._step, step_input)
+
+    @ray.method(concurrency_group=STEP_CALLS)
+    def step_in_order(self, step_input: StepInput, call: int) -> StepOutput | None:
+        """The group's `call`-th step (from 0), by actor call. Two such calls can be here at
+        once: each hands its step to the torch thread only after the one before it has,
+        then waits for its output, so the next step is queued there before this one's
+        output goes back."""
+        deadline = time.monotonic() + PREVIOUS_CALL_TIMEOUT_S
+        with self._order:
+            while self._next_call != call:
+                if not self._order.wait(max(0.0, deadline - time.monotonic())):
+                    raise RuntimeError(f"step call {call} waited {PREVIOUS_CALL_TIMEOUT_S:g} s "
+                                       f"for call {self._next_call}, which never came")
+            done = self._torch_thread().submit(self._step, step_input)
+            self._next_call += 1
+            self._order.notify_all()
+        return done.result()
+
+    def _step(self, step_input: StepInput) -> StepOutput | None:
         if self.config.debug_prefill_delay_s and step_input.new_requests:
             time.sleep(self.config.debug_prefill_delay_s)  # tests: a long step, on purpose
         return self.runner.step(step_input)
@@ -167,8 +218,6 @@ class ShardActor:
 
     def placement(self) -> dict:
         """Where Ray put this rank: for tests and the dashboard."""
-        import ray
-
         ctx = ray.get_runtime_context()
         return {
             "rank": self.rank,

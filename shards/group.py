@@ -35,7 +35,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.messages import StepInput, StepOutput
-from shards.actor import Park, ShardActor
+from shards.actor import CONCURRENCY_GROUPS, Park, ShardActor
 from shards.model_runner import ShardConfig
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class ShardGroup:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="shard-group")
         self._lock = threading.Lock()  # the step thread and the watchdog may both fail us
         self._steps_in_flight = 0
+        self._calls = 0  # step calls sent, which number them (ShardActor.step_in_order)
         self._closed = threading.Event()
         self.tensor_parallel_size = tensor_parallel_size
         self.healthy = False
@@ -118,8 +119,8 @@ class ShardGroup:
             options["num_cpus"] = num_cpus
         if name_prefix:
             options["name"] = f"{name_prefix}shard-{rank}"
-        return ray.remote(ShardActor).options(**options).remote(
-            self.config, rank, self.tensor_parallel_size)
+        actor_class = ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(ShardActor)
+        return actor_class.options(**options).remote(self.config, rank, self.tensor_parallel_size)
 
     def warmup(self, max_batch_prefill_tokens: int, max_batch_total_tokens: int | None = None,
                timeout_s: float = 600.0) -> int:
@@ -218,11 +219,13 @@ class ShardGroup:
             ref.get(timeout=-1)
 
     def _submit(self, step_input: StepInput) -> list[ray.ObjectRef]:
-        """Start a step on every rank; an actor runs its steps in the order submitted,
-        so a second step may be submitted before the first returns (async scheduling).
-        One rank gets the input inline; several share one object-store copy."""
+        """Start a step on every rank. Each call carries its number, and a rank runs its
+        steps in that order, so a second step may be submitted before the first returns
+        (async scheduling). One rank gets the input inline; several share one object-store
+        copy."""
         arg = step_input if len(self.actors) == 1 else ray.put(step_input)
-        refs = [a.step.remote(arg) for a in self.actors]
+        call, self._calls = self._calls, self._calls + 1
+        refs = [a.step_in_order.remote(arg, call) for a in self.actors]
         self._count_in_flight(1)
         return refs
 

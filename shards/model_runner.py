@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from dataclasses import dataclass
 
@@ -100,23 +99,24 @@ def resolve_dtype(name: str, device: torch.device, checkpoint: torch.dtype) -> t
 class ModelRunner:
     def __init__(self, config: ShardConfig, tp: TPContext = TPContext(),
                  bind_threads: bool = False):
-        """`bind_threads`: on CPU, bind torch's threads one per core of this process's
-        affinity (a shard actor, whose process is its rank's); in-process runners leave
-        the caller's threads alone."""
+        """`bind_threads`: on CPU, bind torch's threads one per core of this thread's
+        affinity (a shard actor's torch thread, which runs all of the rank's torch work);
+        in-process runners leave the caller's threads alone."""
         self.config = config
         self.tp = tp
         self.device = resolve_device(config.device)
         self.one_row_weights = False  # a second copy of the weights for one-row products
-        # Torch's threads bound one per core (cpu_plan.bind_torch_threads), per thread that
-        # runs steps: this one, and a compiled graph's loop where that runs them.
-        self._cores: list[int] = []
-        self._bound: dict[int, list[int]] = {}  # thread ident -> native ids bound
+        # Torch's threads bound one per core (cpu_plan.bind_torch_threads): this thread,
+        # which must be the one that runs the steps, and its OpenMP team.
+        self._bound: list[int] = []  # native thread ids
         if self.device.type == "cpu":
             every = sorted(os.sched_getaffinity(0))
             torch.set_num_threads(config.cpu_threads or len(every))
             if bind_threads:
-                self._cores = every
-                self._bind_threads()
+                self._bound = bind_torch_threads(every)
+                if self._bound:
+                    logger.info("torch's %d threads bound one per core: cores %s",
+                                len(self._bound), every[:len(self._bound)])
         elif self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.model_config = ModelConfig.from_pretrained(config.model)
@@ -267,8 +267,6 @@ class ModelRunner:
         if not input_ids:
             return None
         dev = self.device
-        if self._cores and threading.get_ident() not in self._bound:
-            self._bind_threads()
         positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
         meta = self._metadata(decodes, prefills, positions_t, len(input_ids), slots)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), positions_t,
@@ -284,21 +282,15 @@ class ModelRunner:
                                output.token_ids if output is not None else None)
         return output
 
-    def _bind_threads(self) -> None:
-        bound = self._bound[threading.get_ident()] = bind_torch_threads(self._cores)
-        if bound:
-            logger.info("torch's %d threads bound one per core: cores %s (%s thread)",
-                        len(bound), self._cores[:len(bound)], threading.current_thread().name)
-
     @property
     def thread_cores(self) -> list[list[int]]:
         """The cores each bound torch thread still running may run on, read from the
         kernel now."""
         cores = []
-        for tid in (tid for tids in self._bound.values() for tid in tids):
+        for tid in self._bound:
             try:
                 cores.append(sorted(os.sched_getaffinity(tid)))
-            except OSError:  # that thread has ended (a compiled graph's, torn down)
+            except OSError:  # that thread has ended (its actor is shutting down)
                 pass
         return cores
 
