@@ -72,6 +72,7 @@ class ShardActor:
         self.cores: list[int] | None = None  # what bind_cpus pinned the rank to
         self.cores_shared = 0  # of its cores, how many shards of other groups also use
         self._torch: concurrent.futures.ThreadPoolExecutor | None = None
+        self._torch_tid: int | None = None  # the torch thread's native id, once it runs
         self._order = threading.Condition()  # step calls hand over in the group's order
         self._next_call = 0
 
@@ -133,9 +134,14 @@ class ShardActor:
         """The thread that runs all of this rank's torch work, on the cores bind_cpus gave."""
         if self._torch is None:
             cores = self.cores
+
+            def start() -> None:
+                self._torch_tid = threading.get_native_id()
+                if cores:
+                    os.sched_setaffinity(0, cores)
+
             self._torch = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="shard-torch",
-                initializer=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
+                1, thread_name_prefix="shard-torch", initializer=start)
         return self._torch
 
     def init_model(self, address: str, port: int) -> int:
@@ -233,6 +239,9 @@ class ShardActor:
             # The rank's cores; torch's threads are then bound one per core within them.
             "cpu_affinity": self.cores or sorted(os.sched_getaffinity(0)),
             "thread_cores": self.runner.thread_cores if self.runner else None,
+            # Where the thread that runs the forward may run, read from the kernel.
+            "torch_thread_cores": (sorted(os.sched_getaffinity(self._torch_tid))
+                                   if self._torch_tid else None),
             "cores_shared": self.cores_shared,
             "one_row_weights": self.runner.one_row_weights if self.runner else None,
         }

@@ -430,6 +430,9 @@ def test_core_plan_pins_each_rank_and_sizes_its_threads(llama_dir, tp, reserved,
     bound = [[[core] for core in a] if (threads or len(a)) == len(a) > 1 else []
              for a in affinities]
     assert [p["thread_cores"] for p in placements] == bound
+    # The thread that runs the forward: on the rank's cores, or bound to the first of them.
+    assert [p["torch_thread_cores"] for p in placements] == [
+        b[0] if b else a for a, b in zip(affinities, bound, strict=True)]
 
 
 def gone_from_claims(node_id: str, pids: list[int] | None = None, timeout_s: float = 30):
