@@ -16,7 +16,7 @@ export TOKENIZERS_PARALLELISM := false
 install: $(STAMP)
 
 # torch is pinned first: an unpinned torch pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml shards/csrc/paged_attention.cpp
+$(STAMP): pyproject.toml $(wildcard shards/csrc/*.cpp shards/csrc/*.h)
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip

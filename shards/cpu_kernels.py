@@ -3,7 +3,8 @@
     python -m shards.cpu_kernels     # build now (`make install` does); prints where
 
 The decode attention kernel reads K and V in place through the block table; the torch
-backend gathers them into padded tensors first (shards/attention.py). It is built with
+backend gathers them into padded tensors first (shards/attention.py). A decoder layer's
+RMSNorm and rotary embedding each run in one pass (shards/layers.py). They are built with
 torch's C++ extension tooling into a cache directory named after the CPU's instruction
 set (and the checkout), since it is compiled for that CPU (-march=native): nodes that
 share a home directory but not a CPU build their own. Without a compiler the shards use
@@ -24,7 +25,8 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))  # one module: csrc/module.cpp registers them all
 FLAGS = ["-O3", "-fopenmp", "-march=native"]
 STALE_LOCK_S = 300
 
@@ -47,7 +49,7 @@ def _cpu_signature() -> str:
                 break
     except OSError:
         pass
-    text = f"{platform.machine()}|{flags}|{sys.version_info[:2]}|{torch.__version__}|{SOURCE}"
+    text = f"{platform.machine()}|{flags}|{sys.version_info[:2]}|{torch.__version__}|{CSRC}"
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -95,13 +97,14 @@ def load():
             directory.mkdir(parents=True, exist_ok=True)
             _clear_stale_lock(directory)
             t0 = time.perf_counter()
-            _module = load_extension("raygen_cpu_kernels", [str(SOURCE)], extra_cflags=FLAGS,
+            _module = load_extension("raygen_cpu_kernels", [str(f) for f in SOURCES],
+                                     extra_cflags=FLAGS,
                                      extra_ldflags=["-fopenmp"], build_directory=str(directory))
             logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - t0, directory)
         except Exception as exc:  # no compiler, no ninja, a build error: use the torch path
             last_line = (str(exc).strip().splitlines() or [""])[-1]  # compilers say a lot
             _error = f"{type(exc).__name__}: {last_line[:300]}"
-            logger.warning("CPU attention kernel unavailable, using the torch path: %s", _error)
+            logger.warning("CPU kernels unavailable, using the torch path: %s", _error)
         return _module
 
 

@@ -248,7 +248,24 @@ class ParallelLMHead(VocabParallelEmbedding, _Matmul):
         return torch.cat(parts, dim=-1)[:, : self.vocab_size]
 
 
+def use_cpu_kernels(model: nn.Module, kernels: Any) -> int:
+    """Run the model's RMSNorms and rotary embeddings through raygen's CPU kernels
+    (float32 on CPU; shards/csrc/layer_ops.cpp). Per call, eager torch took 16-27 us for a
+    norm of 1-32 rows and 36-62 us for a rotation, the kernels 2-7 us; 512 rows 1.2 ms and
+    2.2 ms against 0.1 ms each (benchmarks/NOTES.md 44). Returns the modules switched."""
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, RotaryEmbedding)):
+            module.kernels = kernels
+            switched += 1
+    return switched
+
+
 class RMSNorm(nn.Module):
+    # raygen's CPU kernels (shards/cpu_kernels.py), set by `use_cpu_kernels`: the same
+    # computation in one pass instead of seven ops.
+    kernels: Any = None
+
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype):
         super().__init__()
         self.eps = eps
@@ -257,6 +274,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalize x + residual; also return that sum, the next residual."""
+        if self.kernels is not None:
+            out, residual = self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+            return out, residual
         if residual is not None:
             x = x + residual
         residual = x
@@ -268,6 +288,8 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """Non-interleaved RoPE (rotate_half), cos/sin precomputed for every position."""
+
+    kernels: Any = None  # as RMSNorm's
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
@@ -287,6 +309,22 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def split_rotate(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int,
+                     num_kv_heads: int, head_dim: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v of a fused qkv projection [tokens, (heads + 2 kv_heads) * head_dim],
+        as [tokens, heads, head_dim], with q and k rotated."""
+        if self.kernels is not None:  # one pass, q and k written rotated; v a view
+            q, k = self.kernels.rotary_qk(qkv, positions, self.cos, self.sin, num_heads,
+                                          num_kv_heads, head_dim)
+            v = qkv[:, (num_heads + num_kv_heads) * head_dim:]
+            return q, k, v.reshape(-1, num_kv_heads, head_dim)
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k = self(positions, q.reshape(-1, num_heads, head_dim),
+                    k.reshape(-1, num_kv_heads, head_dim))
+        return q, k, v.reshape(-1, num_kv_heads, head_dim)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -17,10 +17,16 @@ import torch.distributed as dist
 
 from engine.messages import StepInput, StepOutput
 from engine.sampling_params import SamplingParams
-from shards.attention import AttentionMetadata, PrefillSeq, select_backend
+from shards.attention import AttentionMetadata, CpuPagedAttentionBackend, PrefillSeq, select_backend
 from shards.cpu_plan import bind_torch_threads
 from shards.grammar import Grammars
-from shards.layers import TPContext, linear_weight_bytes, onednn_usable, pack_for_onednn
+from shards.layers import (
+    TPContext,
+    linear_weight_bytes,
+    onednn_usable,
+    pack_for_onednn,
+    use_cpu_kernels,
+)
 from shards.loader import load_weights
 from shards.model import CausalLM
 from shards.model_config import ModelConfig
@@ -136,6 +142,11 @@ class ModelRunner:
 
             compile_layers(self.model)
         self.matmul = self._pack_weights(config.cpu_matmul)
+        # With raygen's CPU attention kernel come its norm and rotary kernels (the torch
+        # backend stays the pure-torch reference; a compiled forward fuses its own).
+        if isinstance(self.backend, CpuPagedAttentionBackend) and not self.compiled:
+            use_cpu_kernels(self.model, self.backend.kernel)
+            logger.info("RMSNorm and rotary embedding: raygen's CPU kernels")
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.seqs: dict[str, _Seq] = {}

@@ -5,7 +5,8 @@
 // table, softmaxed, and V is summed the same way. Nothing is gathered or padded: K and V
 // are read once, in place. The torch backend (shards/attention.py) computes the same
 // thing with a gather and SDPA; this replaces only its decode part.
-#include <torch/extension.h>
+#include "ops.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -89,11 +90,11 @@ void decode_kernel(const float* __restrict__ q, const float* __restrict__ k_cach
 
 // q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_tables:
 // [B, max_blocks]; seq_lens: [B] (tokens in the cache, the new one included).
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                           at::Tensor block_tables, at::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode runs on CPU");
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-                  v_cache.scalar_type() == torch::kFloat,
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == at::kFloat,
               "paged_decode takes float32");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_decode: q [B, H, D], caches [blocks, block_size, KVH, D]");
@@ -110,7 +111,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
               "paged_decode: head shapes do not match");
   TORCH_CHECK(block_tables.size(0) == batch && seq_lens.size(0) == batch,
               "paged_decode: one table row and one length per sequence");
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   if (batch == 0) return out;
   const int64_t max_blocks = block_tables.size(1);
   // Reads go through these: check them once rather than trust them per token.
@@ -132,8 +133,4 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     else run(decode_kernel<0, index_t>);
   });
   return out;
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache (CPU, fp32)");
 }

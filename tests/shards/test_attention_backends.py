@@ -171,6 +171,78 @@ def test_cpu_backend_mixed_batch_matches_dense(cpu_kernel):
     check_mixed_batch(CpuPagedAttentionBackend(cpu_kernel))
 
 
+@pytest.mark.parametrize("rows", [1, 7, 33, 600])  # 600: the rows split across threads
+def test_norm_kernel_matches_the_torch_norm(cpu_kernel, rows):
+    """One pass gives what RMSNorm's seven torch ops give: the residual sum bit for bit,
+    the normalized rows within an ulp or two (only the sum of squares adds in another
+    order)."""
+    from shards.layers import RMSNorm
+
+    torch.manual_seed(rows)
+    norm = RMSNorm(96, 1e-5, torch.float32)
+    norm.weight.data = torch.randn(96)
+    x, residual = torch.randn(rows, 96) * 3, torch.randn(rows, 96)
+    want, want_sum = norm(x, residual)
+    want_alone, _ = norm(x)
+    norm.kernels = cpu_kernel
+    got, got_sum = norm(x, residual)
+    got_alone, got_alone_sum = norm(x)
+    assert torch.equal(got_sum, want_sum)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_alone, want_alone, rtol=1e-6, atol=1e-6)
+    assert got_alone_sum is x  # as torch's path: no residual, x is the next one
+    with pytest.raises(RuntimeError, match="residual of x's shape"):
+        norm(x, residual[:, :48])
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 4, 64), (14, 2, 64), (4, 4, 16)])
+def test_rotary_kernel_is_bit_exact(cpu_kernel, heads, kv_heads, head_dim):
+    """q and k rotated by the kernel equal the torch path bit for bit (no fused
+    multiply-adds), v is the same view, at every position up to the table's last and with
+    a scaled table (llama3); qkv may be a view with a row stride of its own."""
+    from shards.layers import RotaryEmbedding
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}
+    for rope_scaling in (None, scaling):
+        rotary = RotaryEmbedding(head_dim, 512, 10000.0, rope_scaling)
+        width = (heads + 2 * kv_heads) * head_dim
+        wide = torch.randn(40, width + 8)
+        qkv = wide[:, 3:3 + width]  # rows not packed: stride width + 8
+        positions = torch.tensor([0, 511] + torch.randint(0, 512, (38,)).tolist())
+        want = rotary.split_rotate(positions, qkv, heads, kv_heads, head_dim)
+        rotary.kernels = cpu_kernel
+        got = rotary.split_rotate(positions, qkv, heads, kv_heads, head_dim)
+        for g, w in zip(got, want, strict=True):
+            assert g.shape == w.shape
+            assert torch.equal(g, w)
+        with pytest.raises(RuntimeError, match="outside the rotary table"):
+            rotary.split_rotate(torch.full((40,), 512), qkv, heads, kv_heads, head_dim)
+        with pytest.raises(RuntimeError, match="outside the rotary table"):
+            rotary.split_rotate(torch.full((40,), -1), qkv, heads, kv_heads, head_dim)
+        with pytest.raises(RuntimeError, match="float32"):
+            rotary.split_rotate(positions, qkv.double(), heads, kv_heads, head_dim)
+        with pytest.raises(RuntimeError, match="columns"):
+            rotary.split_rotate(positions, qkv, heads + 1, kv_heads, head_dim)
+
+
+def test_runner_uses_the_layer_kernels_with_the_cpu_backend_only(cpu_kernel, llama_dir):
+    """The CPU attention backend brings the norm and rotary kernels; the torch backend
+    stays pure torch (the reference the kernels are checked against)."""
+    from shards.layers import RMSNorm, RotaryEmbedding
+    from shards.model_runner import ModelRunner, ShardConfig
+
+    def kernels(backend):
+        runner = ModelRunner(ShardConfig(model=llama_dir, device="cpu",
+                                         attention_backend=backend))
+        return [m.kernels for m in runner.model.modules()
+                if isinstance(m, (RMSNorm, RotaryEmbedding))]
+
+    on, off = kernels("cpu"), kernels("torch")
+    assert len(on) == len(off) > 2
+    assert all(k is cpu_kernel for k in on)
+    assert all(k is None for k in off)
+
+
 def test_auto_backend_on_cpu(cpu_kernel):
     assert select_backend("auto", torch.device("cpu"), torch.float32).name == "cpu"
     assert select_backend("auto", torch.device("cpu"), torch.bfloat16).name == "torch"
@@ -185,7 +257,7 @@ def test_a_kernel_that_does_not_build_leaves_the_torch_path(tmp_path, monkeypatc
 
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCE", broken)
+    monkeypatch.setattr(cpu_kernels, "SOURCES", [broken])
     monkeypatch.setattr(cpu_kernels, "_module", None)
     monkeypatch.setattr(cpu_kernels, "_error", None)
     monkeypatch.setenv("RAYGEN_KERNEL_CACHE", str(tmp_path / "cache"))

@@ -1,0 +1,138 @@
+// The small ops of a decoder layer, each in one pass over its rows: eager torch runs them
+// as 5-7 ops apiece (an allocation and a dispatch each), which costs more than the
+// arithmetic at every size a step has (benchmarks/NOTES.md 44). Same formulas and, where
+// the order of operations allows, the same rounding as shards/layers.py's torch path.
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+namespace {
+
+// Rows per task: one task does a decode batch; a long prefill splits across threads.
+constexpr int64_t kGrain = 16;
+
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2,
+              what, ": a float32 CPU matrix");
+}
+
+}  // namespace
+
+// s = x + residual (x alone without one); out = weight * (s / sqrt(mean(s^2) + eps)).
+// Returns {out, s}: s is the next layer's residual. Only the sum of squares differs from
+// torch's `pow(2).mean(-1)` in the order of its additions (a few ulp of the variance).
+std::vector<at::Tensor> add_rms_norm(at::Tensor x, std::optional<at::Tensor> residual,
+                                        at::Tensor weight, double eps) {
+  check_rows(x, "add_rms_norm");
+  x = x.contiguous();
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == n,
+              "add_rms_norm: one float32 weight per column");
+  weight = weight.contiguous();
+  const bool add = residual.has_value();
+  at::Tensor res = x, sum = x;
+  if (add) {
+    check_rows(*residual, "add_rms_norm residual");
+    TORCH_CHECK(residual->sizes() == x.sizes(), "add_rms_norm: residual of x's shape");
+    res = residual->contiguous();
+    sum = at::empty_like(x);
+  }
+  auto out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* rp = res.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float feps = static_cast<float>(eps), count = static_cast<float>(n);
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* s = sp + r * n;
+      if (add) {
+        const float* a = xp + r * n;
+        const float* b = rp + r * n;
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) s[i] = a[i] + b[i];
+      }
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t i = 0; i < n; ++i) squares += s[i] * s[i];
+      const float inv = 1.f / std::sqrt(squares / count + feps);
+      float* o = op + r * n;
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) o[i] = w[i] * (s[i] * inv);
+    }
+  });
+  return {out, sum};
+}
+
+// RoPE without fused multiply-adds, so each element rounds as torch's
+// `x * cos + rotate_half(x) * sin` does (two products, then their sum): bit for bit.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+namespace {
+
+void rotate_heads(const float* x, float* out, int64_t heads, int64_t head_dim,
+                  const float* cos, const float* sin) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < heads; ++h, x += head_dim, out += head_dim) {
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x[i] * cos[i], b = -x[i + half] * sin[i];
+      out[i] = a + b;
+    }
+#pragma omp simd
+    for (int64_t i = half; i < head_dim; ++i) {
+      const float a = x[i] * cos[i], b = x[i - half] * sin[i];
+      out[i] = a + b;
+    }
+  }
+}
+
+}  // namespace
+#pragma GCC pop_options
+
+// qkv: [T, (H + 2 KVH) * D], a row per token (q heads, then k, then v); positions: [T];
+// cos, sin: [max_position, D]. Returns q [T, H, D] and k [T, KVH, D], rotated; v is left
+// in place for the caller to view.
+std::vector<at::Tensor> rotary_qk(at::Tensor qkv, at::Tensor positions,
+                                     at::Tensor cos, at::Tensor sin, int64_t num_heads,
+                                     int64_t num_kv_heads, int64_t head_dim) {
+  check_rows(qkv, "rotary_qk");
+  TORCH_CHECK(qkv.stride(1) == 1, "rotary_qk: qkv rows must be contiguous");
+  TORCH_CHECK(head_dim % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,
+              "rotary_qk: qkv holds (heads + 2 kv_heads) * head_dim columns");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                  cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(1) == head_dim,
+              "rotary_qk: float32 cos and sin tables [max_position, head_dim]");
+  const int64_t tokens = qkv.size(0), stride = qkv.stride(0);
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == tokens, "rotary_qk: one position per row");
+  positions = positions.to(at::kLong).contiguous();
+  cos = cos.contiguous();
+  sin = sin.contiguous();
+  auto q = at::empty({tokens, num_heads, head_dim}, qkv.options());
+  auto k = at::empty({tokens, num_kv_heads, head_dim}, qkv.options());
+  if (tokens == 0) return {q, k};
+  // Table reads go through these: check them once rather than per token.
+  TORCH_CHECK(positions.min().item<int64_t>() >= 0 &&
+                  positions.max().item<int64_t>() < cos.size(0),
+              "rotary_qk: a position is outside the rotary table");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* src = qkv.data_ptr<float>();
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k.data_ptr<float>();
+  const int64_t q_width = num_heads * head_dim, k_width = num_kv_heads * head_dim;
+  at::parallel_for(0, tokens, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* row = src + t * stride;
+      const float* ct = c + pos[t] * head_dim;
+      const float* st = s + pos[t] * head_dim;
+      rotate_heads(row, qp + t * q_width, num_heads, head_dim, ct, st);
+      rotate_heads(row + q_width, kp + t * k_width, num_kv_heads, head_dim, ct, st);
+    }
+  });
+  return {q, k};
+}
