@@ -149,7 +149,17 @@ class ShardGroup:
 
             with InputNode() as inp:
                 dag = MultiOutputNode([a.step.bind(inp) for a in self.actors])
-            self._graph = dag.experimental_compile()
+            graph = dag.experimental_compile()
+            # The driver reads each rank's output channel, and Ray registers it as that
+            # channel's reader on its first read. A channel never read (a step whose rank 0
+            # failed first ends before rank 1's output is read) is registered when the graph
+            # closes it, after the ranks died: by then its buffer can be gone, and Ray's
+            # check for it aborts this whole process (seen once in `make test`: "Experimental
+            # mutable object must be in the local object store to register as reader").
+            # So register every one now, while all ranks are alive.
+            for channel in graph.dag_output_channels:
+                channel.ensure_registered_as_reader()
+            self._graph = graph
         return self._graph
 
     def step(self, step_input: StepInput) -> StepOutput | None:

@@ -10,7 +10,7 @@
 
 namespace {
 
-// Rows per task: one task does a decode batch; a long prefill splits across threads.
+// Rows per task: up to 16 rows run on the calling thread, more split across threads.
 constexpr int64_t kGrain = 16;
 
 void check_rows(const at::Tensor& t, const char* what) {
@@ -24,7 +24,7 @@ void check_rows(const at::Tensor& t, const char* what) {
 // Returns {out, s}: s is the next layer's residual. Only the sum of squares differs from
 // torch's `pow(2).mean(-1)` in the order of its additions (a few ulp of the variance).
 std::vector<at::Tensor> add_rms_norm(at::Tensor x, std::optional<at::Tensor> residual,
-                                        at::Tensor weight, double eps) {
+                                     at::Tensor weight, double eps) {
   check_rows(x, "add_rms_norm");
   x = x.contiguous();
   const int64_t rows = x.size(0), n = x.size(1);
@@ -97,8 +97,8 @@ void rotate_heads(const float* x, float* out, int64_t heads, int64_t head_dim,
 // cos, sin: [max_position, D]. Returns q [T, H, D] and k [T, KVH, D], rotated; v is left
 // in place for the caller to view.
 std::vector<at::Tensor> rotary_qk(at::Tensor qkv, at::Tensor positions,
-                                     at::Tensor cos, at::Tensor sin, int64_t num_heads,
-                                     int64_t num_kv_heads, int64_t head_dim) {
+                                  at::Tensor cos, at::Tensor sin, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim) {
   check_rows(qkv, "rotary_qk");
   TORCH_CHECK(qkv.stride(1) == 1, "rotary_qk: qkv rows must be contiguous");
   TORCH_CHECK(head_dim % 2 == 0 && qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim,

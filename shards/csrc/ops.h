@@ -9,11 +9,11 @@
 
 // Decode attention read in place through the block table (paged_attention.cpp).
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                           at::Tensor block_tables, at::Tensor seq_lens, double scale);
+                        at::Tensor block_tables, at::Tensor seq_lens, double scale);
 
 // A decoder layer's small ops in one pass each (layer_ops.cpp).
 std::vector<at::Tensor> add_rms_norm(at::Tensor x, std::optional<at::Tensor> residual,
-                                        at::Tensor weight, double eps);
+                                     at::Tensor weight, double eps);
 std::vector<at::Tensor> rotary_qk(at::Tensor qkv, at::Tensor positions,
-                                     at::Tensor cos, at::Tensor sin, int64_t num_heads,
-                                     int64_t num_kv_heads, int64_t head_dim);
+                                  at::Tensor cos, at::Tensor sin, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim);

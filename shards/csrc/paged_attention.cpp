@@ -108,7 +108,7 @@ void decode_kernel(const float* __restrict__ q, const float* __restrict__ k_cach
 // q: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]; block_tables:
 // [B, max_blocks]; seq_lens: [B] (tokens in the cache, the new one included).
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
-                           at::Tensor block_tables, at::Tensor seq_lens, double scale) {
+                        at::Tensor block_tables, at::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode runs on CPU");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
                   v_cache.scalar_type() == at::kFloat,
