@@ -46,9 +46,9 @@ class AppArgs(BaseModel):
         "parts at start-up (shards/compiled.py)")
     cpu_matmul: Literal["auto", "onednn", "torch"] = Field(
         "auto", description="who multiplies by the weights on CPU: oneDNN on weights "
-        "reordered at start-up (auto, unless torch_compile) or torch (MKL). Where a shard "
-        "runs one thread, auto also keeps a second copy of the weights for MKL's "
-        "one-row product, faster there; onednn keeps one copy")
+        "reordered at start-up (auto, unless torch_compile) or torch (MKL). auto also "
+        "times MKL's one-row product on a second, K x N copy of the weights at start-up "
+        "and keeps the copy where it is at least 10% faster; onednn keeps one copy")
     reserved_cpus: int | None = Field(
         None, ge=0, description="cores per node the shards leave to the serving plane "
         "(ingress, batcher, Ray); the shards split the others, each rank pinned to its "

@@ -244,4 +244,5 @@ class ShardActor:
                                    if self._torch_tid else None),
             "cores_shared": self.cores_shared,
             "one_row_weights": self.runner.one_row_weights if self.runner else None,
+            "one_row_timings": self.runner.one_row_timings if self.runner else None,
         }

@@ -5,6 +5,7 @@ inside the layers, so the model reads as if it ran on one device."""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,10 +59,12 @@ class _Matmul(nn.Module):
     vs 16 GB/s; benchmarks/NOTES.md). oneDNN is also what vLLM's CPU backend and
     inductor use. Same arithmetic, another summation order.
 
-    Where a shard runs one thread, one-row products instead go through MKL on a
-    K x N copy of the weight (`transposed`): on one thread MKL streams a weight past one
-    row faster than oneDNN does (a batch-1 step's linears 24-25 against 35-39 ms on that
-    machine; benchmarks/NOTES.md 31). At two rows they tie, and from four oneDNN wins."""
+    One-row products may instead go through MKL on a K x N copy of the weight
+    (`transposed`), kept where the shard measured it faster at start-up
+    (`time_one_row_products`): on one thread MKL streamed a weight past one row faster than
+    oneDNN on that machine (a batch-1 step's linears 24-25 against 35-39 ms; NOTES 31), and
+    on two bound threads of an Intel Xeon too (12 layers: 11.5 against 15.8 ms; NOTES 45).
+    At two rows they tie, and from four oneDNN wins."""
 
     packed: torch.Tensor | None = None
     transposed: torch.Tensor | None = None
@@ -84,6 +87,38 @@ def linear_weight_bytes(model: nn.Module) -> int:
     """Bytes of every weight that a _Matmul multiplies by (what a second copy would take)."""
     return sum(m.weight.numel() * m.weight.element_size()
                for m in model.modules() if isinstance(m, _Matmul))
+
+
+def time_one_row_products(model: nn.Module, rounds: int = 3) -> tuple[float, float]:
+    """Seconds for one row through every linear that has a K x N copy: (oneDNN on the
+    reordered weight, MKL on the copy), each the best of `rounds` passes, the two
+    alternating after one pass each to warm up."""
+    linears = [m for m in model.modules() if isinstance(m, _Matmul)
+               and m.transposed is not None and m.packed is not None]
+    rows = [torch.randn(1, m.transposed.shape[0], dtype=m.transposed.dtype) for m in linears]
+
+    def onednn() -> None:
+        for m, x in zip(linears, rows, strict=True):
+            torch.ops.mkldnn._linear_pointwise(x, m.packed, None, "none", [], "")
+
+    def copy() -> None:
+        for m, x in zip(linears, rows, strict=True):
+            torch.mm(x, m.transposed)
+
+    best = [float("inf"), float("inf")]
+    for n in range(rounds + 1):
+        for i, products in enumerate((onednn, copy)):
+            t0 = time.perf_counter()
+            products()
+            if n:
+                best[i] = min(best[i], time.perf_counter() - t0)
+    return best[0], best[1]
+
+
+def drop_one_row_copy(model: nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, _Matmul):
+            module.transposed = None
 
 
 def pack_for_onednn(model: nn.Module, batch_hint: int = ONEDNN_BATCH_HINT,

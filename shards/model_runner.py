@@ -22,9 +22,11 @@ from shards.cpu_plan import bind_torch_threads
 from shards.grammar import Grammars
 from shards.layers import (
     TPContext,
+    drop_one_row_copy,
     linear_weight_bytes,
     onednn_usable,
     pack_for_onednn,
+    time_one_row_products,
     use_cpu_kernels,
 )
 from shards.loader import load_weights
@@ -78,6 +80,15 @@ def one_row_copy_fits(copy_bytes: int, kv_cache_bytes: int, available_bytes: int
     return copy_bytes + kv_cache_bytes <= available_bytes // 2
 
 
+# A second copy of the weights is kept for one-row products only where it makes them at
+# least this much faster.
+ONE_ROW_COPY_MAX_RATIO = 0.9
+
+
+def one_row_copy_pays(onednn_s: float, copy_s: float) -> bool:
+    return copy_s <= ONE_ROW_COPY_MAX_RATIO * onednn_s
+
+
 @dataclass(slots=True)
 class _Seq:
     token_ids: list[int]
@@ -112,6 +123,7 @@ class ModelRunner:
         self.tp = tp
         self.device = resolve_device(config.device)
         self.one_row_weights = False  # a second copy of the weights for one-row products
+        self.one_row_timings: tuple[float, float] | None = None  # (oneDNN, copy) seconds
         # Torch's threads bound one per core (cpu_plan.bind_torch_threads): this thread,
         # which must be the one that runs the steps, and its OpenMP team.
         self._bound: list[int] = []  # native thread ids
@@ -169,12 +181,13 @@ class ModelRunner:
         if self.compiled:
             raise ValueError("cpu_matmul=onednn and torch_compile exclude each other "
                              "(the compiled forward prepacks its own weights)")
-        # Steps on one thread (cpu_threads=1, or a rank with one core): their one-row
-        # products are faster through MKL on a second, K x N copy of the weights.
-        # The copy is kept only where it and the KV cache take at most half of the memory
-        # still available: the core plan is the serving app's default, and a model that
-        # loads without the copy must not fail to because of it.
-        self.one_row_weights = choice == "auto" and torch.get_num_threads() == 1
+        # One-row products (a batch-1 step) may be faster through MKL on a second, K x N
+        # copy of the weights: it depends on the CPU and the threads (benchmarks/NOTES.md
+        # 31, 45), so the copy is timed against oneDNN below and kept only where it pays.
+        # It is made only where it and the KV cache take at most half of the memory still
+        # available: the core plan is the serving app's default, and a model that loads
+        # without the copy must not fail to because of it.
+        self.one_row_weights = choice == "auto"
         if self.one_row_weights:
             copy = linear_weight_bytes(self.model)
             kv_cache = self.profile_num_blocks(0) * self.block_bytes()  # num_blocks, or the budget
@@ -186,9 +199,18 @@ class ModelRunner:
                             copy / 2**20, kv_cache / 2**20, available / 2**20)
         t0 = time.perf_counter()
         size = pack_for_onednn(self.model, one_row_copy=self.one_row_weights)
-        logger.info("weights reordered for oneDNN: %.0f MB in %.1f s%s", size / 2**20,
-                    time.perf_counter() - t0, "; and a K x N copy for one-row products on one "
-                    "thread (cpu_matmul=onednn: none)" if self.one_row_weights else "")
+        logger.info("weights reordered for oneDNN: %.0f MB in %.1f s", size / 2**20,
+                    time.perf_counter() - t0)
+        if self.one_row_weights:
+            onednn_s, copy_s = time_one_row_products(self.model)
+            self.one_row_timings = (onednn_s, copy_s)
+            self.one_row_weights = one_row_copy_pays(onednn_s, copy_s)
+            if not self.one_row_weights:
+                drop_one_row_copy(self.model)
+            logger.info("one-row products on %d thread(s): oneDNN %.1f ms, MKL on a K x N "
+                        "copy %.1f ms: %s", torch.get_num_threads(), onednn_s * 1e3,
+                        copy_s * 1e3, "copy kept" if self.one_row_weights
+                        else "copy dropped (cpu_matmul=onednn: never made)")
         return "onednn"
 
     # -- KV cache ----------------------------------------------------------------------

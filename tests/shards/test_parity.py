@@ -177,19 +177,38 @@ def keep_torch_threads():
     torch.set_num_threads(threads)  # an in-process runner sized this process's threads
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_one_thread_one_row_products_match_transformers(arch, llama_dir, qwen2_dir,
-                                                        parity_prompts, keep_torch_threads):
-    # One-token steps on one thread go through MKL on a K x N copy of each weight (the
-    # lm head's own, where qwen2 ties it to the embedding); more rows through oneDNN.
+@pytest.fixture
+def copy_pays(monkeypatch):
+    """Whether the start-up timing finds the K x N copy faster, decided by the test (on
+    the tiny test models either can win)."""
+    from shards import model_runner
+
+    def force(pays: bool) -> list:
+        timed = []
+        monkeypatch.setattr(model_runner, "one_row_copy_pays",
+                            lambda onednn_s, copy_s: timed.append((onednn_s, copy_s)) or pays)
+        return timed
+
+    return force
+
+
+@pytest.mark.parametrize(("arch", "threads"), [("llama", 1), ("qwen2", 1), ("llama", 2)])
+def test_one_row_products_on_the_copy_match_transformers(arch, threads, llama_dir, qwen2_dir,
+                                                         parity_prompts, keep_torch_threads,
+                                                         copy_pays):
+    # Where the copy paid at start-up, one-token steps go through MKL on a K x N copy of
+    # each weight (the lm head's own, where qwen2 ties it to the embedding), on one thread
+    # or two; more rows through oneDNN.
     import torch
 
     from shards.layers import _Matmul
 
     model_dir = llama_dir if arch == "llama" else qwen2_dir
-    llm = LLM(model_dir, num_blocks=256, cpu_threads=1, device="cpu")
+    timed = copy_pays(True)
+    llm = LLM(model_dir, num_blocks=256, cpu_threads=threads, device="cpu")
     linears = [m for m in llm.runner.model.modules() if isinstance(m, _Matmul)]
-    assert llm.runner.one_row_weights and torch.get_num_threads() == 1
+    assert llm.runner.one_row_weights and torch.get_num_threads() == threads
+    assert timed == [llm.runner.one_row_timings] and min(timed[0]) > 0
     assert all(m.transposed is not None and m.packed is not None for m in linears)
     calls = []
     mm = torch.mm
@@ -200,20 +219,61 @@ def test_one_thread_one_row_products_match_transformers(arch, llama_dir, qwen2_d
         torch.mm = mm
     assert calls and set(calls) == {1}  # one-row products took the copy, and only they
     assert got == references(model_dir, parity_prompts, PARITY_NEW_TOKENS)
-    explicit = LLM(model_dir, num_blocks=16, cpu_threads=1, cpu_matmul="onednn", device="cpu")
-    assert not explicit.runner.one_row_weights  # onednn: one copy of the weights
+    explicit = LLM(model_dir, num_blocks=16, cpu_threads=threads, cpu_matmul="onednn",
+                   device="cpu")
+    assert not explicit.runner.one_row_weights  # onednn: one copy of the weights, untimed
+    assert explicit.runner.one_row_timings is None
     assert all(m.transposed is None for m in explicit.runner.model.modules()
                if isinstance(m, _Matmul))
 
 
+def test_a_copy_that_does_not_pay_is_dropped(llama_dir, parity_prompts, keep_torch_threads,
+                                             copy_pays):
+    import torch
+
+    from shards.layers import _Matmul
+
+    timed = copy_pays(False)
+    llm = LLM(llama_dir, num_blocks=256, device="cpu")
+    assert len(timed) == 1 and not llm.runner.one_row_weights
+    assert all(m.transposed is None and m.packed is not None
+               for m in llm.runner.model.modules() if isinstance(m, _Matmul))
+    calls = []
+    mm = torch.mm
+    try:
+        torch.mm = lambda a, b: calls.append(a.shape[0]) or mm(a, b)
+        got, _ = run_staggered(llm, parity_prompts, PARITY_NEW_TOKENS)
+    finally:
+        torch.mm = mm
+    assert not calls
+    assert got == references(llama_dir, parity_prompts, PARITY_NEW_TOKENS)
+
+
+def test_the_copy_is_kept_only_where_it_is_a_tenth_faster(llama_dir, keep_torch_threads,
+                                                          copy_pays):
+    import math
+
+    from shards.layers import time_one_row_products
+    from shards.model_runner import ModelRunner, ShardConfig, one_row_copy_pays
+
+    assert one_row_copy_pays(1.0, 0.9) and not one_row_copy_pays(1.0, 0.91)
+    copy_pays(True)
+    runner = ModelRunner(ShardConfig(model=llama_dir, num_blocks=16, device="cpu"))
+    onednn_s, copy_s = time_one_row_products(runner.model, rounds=2)
+    assert 0 < onednn_s < math.inf and 0 < copy_s < math.inf
+
+
 def test_no_one_row_copy_where_it_would_not_leave_half_the_memory(llama_dir, monkeypatch,
-                                                                  keep_torch_threads):
+                                                                  keep_torch_threads,
+                                                                  copy_pays):
     """The copy and the KV cache to come must fit in half of MemAvailable: the cache that
     `num_blocks` fixes where set, else the `kv_cache_memory` budget. Runners are built
-    without their KV cache here; one with a single copy still serves."""
+    without their KV cache here; one with a single copy still serves. (Each copy made
+    here is timed as paying.)"""
     from shards import model_runner
     from shards.model_runner import ModelRunner, ShardConfig, available_memory, one_row_copy_fits
 
+    copy_pays(True)
     assert one_row_copy_fits(10, 40, 100) and not one_row_copy_fits(11, 40, 100)
     # MemAvailable read once: it moves between reads (a Ray test before this one may still
     # be freeing memory), and these bounds are one byte either side of its half.
