@@ -202,7 +202,7 @@ class ModelRunner:
         logger.info("weights reordered for oneDNN: %.0f MB in %.1f s", size / 2**20,
                     time.perf_counter() - t0)
         if self.one_row_weights:
-            onednn_s, copy_s = time_one_row_products(self.model)
+            onednn_s, copy_s = time_one_row_products(self.model, rounds=5)
             self.one_row_timings = (onednn_s, copy_s)
             self.one_row_weights = one_row_copy_pays(onednn_s, copy_s)
             if not self.one_row_weights:
