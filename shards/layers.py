@@ -95,7 +95,9 @@ def time_one_row_products(model: nn.Module, rounds: int = 3) -> tuple[float, flo
     alternating after one pass each to warm up."""
     linears = [m for m in model.modules() if isinstance(m, _Matmul)
                and m.transposed is not None and m.packed is not None]
-    rows = [torch.randn(1, m.transposed.shape[0], dtype=m.transposed.dtype) for m in linears]
+    generator = torch.Generator().manual_seed(0)  # the process's own stream stays untouched
+    rows = [torch.randn(1, m.transposed.shape[0], dtype=m.transposed.dtype, generator=generator)
+            for m in linears]
 
     def onednn() -> None:
         for m, x in zip(linears, rows, strict=True):

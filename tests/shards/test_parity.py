@@ -192,6 +192,21 @@ def copy_pays(monkeypatch):
     return force
 
 
+def run_counting_mm(llm, prompts) -> tuple[dict, list[int]]:
+    """The prompts' greedy tokens, and the row count of every `torch.mm` the run made (the
+    K x N copy's products go through it; oneDNN's do not)."""
+    import torch
+
+    calls = []
+    mm = torch.mm
+    try:
+        torch.mm = lambda a, b: calls.append(a.shape[0]) or mm(a, b)
+        got, _ = run_staggered(llm, prompts, PARITY_NEW_TOKENS)
+    finally:
+        torch.mm = mm
+    return got, calls
+
+
 @pytest.mark.parametrize(("arch", "threads"), [("llama", 1), ("qwen2", 1), ("llama", 2)])
 def test_one_row_products_on_the_copy_match_transformers(arch, threads, llama_dir, qwen2_dir,
                                                          parity_prompts, keep_torch_threads,
@@ -210,13 +225,7 @@ def test_one_row_products_on_the_copy_match_transformers(arch, threads, llama_di
     assert llm.runner.one_row_weights and torch.get_num_threads() == threads
     assert timed == [llm.runner.one_row_timings] and min(timed[0]) > 0
     assert all(m.transposed is not None and m.packed is not None for m in linears)
-    calls = []
-    mm = torch.mm
-    try:
-        torch.mm = lambda a, b: calls.append(a.shape[0]) or mm(a, b)
-        got, _ = run_staggered(llm, parity_prompts, PARITY_NEW_TOKENS)
-    finally:
-        torch.mm = mm
+    got, calls = run_counting_mm(llm, parity_prompts)
     assert calls and set(calls) == {1}  # one-row products took the copy, and only they
     assert got == references(model_dir, parity_prompts, PARITY_NEW_TOKENS)
     explicit = LLM(model_dir, num_blocks=16, cpu_threads=threads, cpu_matmul="onednn",
@@ -229,8 +238,6 @@ def test_one_row_products_on_the_copy_match_transformers(arch, threads, llama_di
 
 def test_a_copy_that_does_not_pay_is_dropped(llama_dir, parity_prompts, keep_torch_threads,
                                              copy_pays):
-    import torch
-
     from shards.layers import _Matmul
 
     timed = copy_pays(False)
@@ -238,13 +245,7 @@ def test_a_copy_that_does_not_pay_is_dropped(llama_dir, parity_prompts, keep_tor
     assert len(timed) == 1 and not llm.runner.one_row_weights
     assert all(m.transposed is None and m.packed is not None
                for m in llm.runner.model.modules() if isinstance(m, _Matmul))
-    calls = []
-    mm = torch.mm
-    try:
-        torch.mm = lambda a, b: calls.append(a.shape[0]) or mm(a, b)
-        got, _ = run_staggered(llm, parity_prompts, PARITY_NEW_TOKENS)
-    finally:
-        torch.mm = mm
+    got, calls = run_counting_mm(llm, parity_prompts)
     assert not calls
     assert got == references(llama_dir, parity_prompts, PARITY_NEW_TOKENS)
 
