@@ -207,8 +207,8 @@ class ModelRunner:
             self.one_row_weights = one_row_copy_pays(onednn_s, copy_s)
             if not self.one_row_weights:
                 drop_one_row_copy(self.model)
-            logger.info("one-row products on %d thread(s): oneDNN %.1f ms, MKL on a K x N "
-                        "copy %.1f ms: %s", torch.get_num_threads(), onednn_s * 1e3,
+            logger.info("one-row products on %d thread(s): oneDNN %.2f ms, MKL on a K x N "
+                        "copy %.2f ms: %s", torch.get_num_threads(), onednn_s * 1e3,
                         copy_s * 1e3, "copy kept" if self.one_row_weights
                         else "copy dropped (cpu_matmul=onednn: never made)")
         return "onednn"
