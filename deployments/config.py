@@ -47,8 +47,10 @@ class AppArgs(BaseModel):
     cpu_matmul: Literal["auto", "onednn", "torch"] = Field(
         "auto", description="who multiplies by the weights on CPU: oneDNN on weights "
         "reordered at start-up (auto, unless torch_compile) or torch (MKL). auto also "
-        "times MKL's one-row product on a second, K x N copy of the weights at start-up "
-        "and keeps the copy where it is at least 10% faster; onednn keeps one copy")
+        "makes a second copy of the weights (64-column panels with raygen's AVX-512 "
+        "kernels, else K x N for MKL), times it against oneDNN at start-up and keeps it "
+        "for the steps it makes faster (one row: by 10%; panels, 2-48 rows: no slower at "
+        "32); onednn keeps one copy")
     reserved_cpus: int | None = Field(
         None, ge=0, description="cores per node the shards leave to the serving plane "
         "(ingress, batcher, Ray); the shards split the others, each rank pinned to its "

@@ -245,4 +245,7 @@ class ShardActor:
             "cores_shared": self.cores_shared,
             "one_row_weights": self.runner.one_row_weights if self.runner else None,
             "one_row_timings": self.runner.one_row_timings if self.runner else None,
+            "weight_copy": self.runner.weight_copy if self.runner else None,
+            "panel_rows": self.runner.panel_rows if self.runner else None,
+            "panel_timings": self.runner.panel_timings if self.runner else None,
         }

@@ -17,6 +17,9 @@ from torch import nn
 # oneDNN picks its weight layout for this many rows; 32 served every row count a step
 # has (1 to a prefill's hundreds) as well as or better than the others measured.
 ONEDNN_BATCH_HINT = 32
+# Steps of up to this many rows may use the panel copy (`_Matmul`): alone, the panels tied
+# oneDNN up to 48 rows and lost 4-5% at 64 and 128 (benchmarks/NOTES.md 46).
+PANEL_MAX_ROWS = 48
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,16 +64,30 @@ class _Matmul(nn.Module):
 
     One-row products may instead go through MKL on a K x N copy of the weight
     (`transposed`), kept where the shard measured it faster at start-up
-    (`time_one_row_products`): on one thread MKL streamed a weight past one row faster than
+    (`time_copy_products`): on one thread MKL streamed a weight past one row faster than
     oneDNN on that machine (a batch-1 step's linears 24-25 against 35-39 ms; NOTES 31), and
     on two bound threads of an Intel Xeon too (12 layers: 11.5 against 15.8 ms; NOTES 45).
-    At two rows they tie, and from four oneDNN wins."""
+    At two rows they tie, and from four oneDNN wins.
+
+    Where raygen's CPU kernels are built with AVX-512, that copy is instead cut into
+    64-column panels (`panels`, shards/csrc/panel_linear.cpp) that torch's threads claim
+    one at a time, for steps of up to `panel_rows[1]` rows: oneDNN splits a product in
+    fixed shares, so a thread that another process preempts holds the other up at the end
+    of every product; here the other takes its share. Alone they tie oneDNN from 2 to 48
+    rows and MKL's copy at one row; beside a busy process they are 12-22% faster than
+    oneDNN at 8-32 rows (NOTES 46). Which row counts use them is timed at start-up too."""
 
     packed: torch.Tensor | None = None
     transposed: torch.Tensor | None = None
+    panels: torch.Tensor | None = None
+    panel_kernels: Any = None  # shards.cpu_kernels' module, which multiplies by `panels`
+    panel_rows: tuple[int, int] = (1, 0)  # the row counts (from, to) that use the panels
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.transposed is not None and x.shape[0] == 1:
+        rows = x.shape[0]
+        if self.panels is not None and self.panel_rows[0] <= rows <= self.panel_rows[1]:
+            return self.panel_kernels.linear_panels(x, self.panels, self.weight_rows, bias)
+        if self.transposed is not None and rows == 1:
             out = torch.mm(x, self.transposed)
             return out if bias is None else out.add_(bias)
         if self.packed is not None:
@@ -89,23 +106,32 @@ def linear_weight_bytes(model: nn.Module) -> int:
                for m in model.modules() if isinstance(m, _Matmul))
 
 
-def time_one_row_products(model: nn.Module, rounds: int = 3) -> tuple[float, float]:
-    """Seconds for one row through every linear that has a K x N copy: (oneDNN on the
-    reordered weight, MKL on the copy), each the best of `rounds` passes, the two
-    alternating after one pass each to warm up."""
-    linears = [m for m in model.modules() if isinstance(m, _Matmul)
-               and m.transposed is not None and m.packed is not None]
+def _copied(model: nn.Module) -> list[_Matmul]:
+    return [m for m in model.modules() if isinstance(m, _Matmul) and m.packed is not None
+            and (m.transposed is not None or m.panels is not None)]
+
+
+def time_copy_products(model: nn.Module, rows: int = 1,
+                       rounds: int = 3) -> tuple[float, float]:
+    """Seconds for `rows` rows through every linear that has a copy of its weight:
+    (oneDNN on the reordered weight, the copy: its panels, else MKL on K x N), each the
+    best of `rounds` passes, the two alternating after one pass each to warm up."""
+    linears = _copied(model)
     generator = torch.Generator().manual_seed(0)  # the process's own stream stays untouched
-    rows = [torch.randn(1, m.transposed.shape[0], dtype=m.transposed.dtype, generator=generator)
-            for m in linears]
+    inputs = [torch.randn(rows, m.packed_in_features, generator=generator,
+                          dtype=torch.float32 if m.transposed is None else m.transposed.dtype)
+              for m in linears]
 
     def onednn() -> None:
-        for m, x in zip(linears, rows, strict=True):
+        for m, x in zip(linears, inputs, strict=True):
             torch.ops.mkldnn._linear_pointwise(x, m.packed, None, "none", [], "")
 
     def copy() -> None:
-        for m, x in zip(linears, rows, strict=True):
-            torch.mm(x, m.transposed)
+        for m, x in zip(linears, inputs, strict=True):
+            if m.panels is not None:
+                m.panel_kernels.linear_panels(x, m.panels, m.weight_rows, None)
+            else:
+                torch.mm(x, m.transposed)
 
     best = [float("inf"), float("inf")]
     for n in range(rounds + 1):
@@ -117,18 +143,24 @@ def time_one_row_products(model: nn.Module, rounds: int = 3) -> tuple[float, flo
     return best[0], best[1]
 
 
-def drop_one_row_copy(model: nn.Module) -> None:
-    for module in model.modules():
-        if isinstance(module, _Matmul):
-            module.transposed = None
+def set_copy_rows(model: nn.Module, one_row: bool, more_rows: bool) -> None:
+    """Which steps the copies serve: one-row ones (`one_row`), and with panels those of 2
+    to PANEL_MAX_ROWS rows (`more_rows`). A copy left serving none is freed."""
+    for m in _copied(model):
+        if m.panels is not None and (one_row or more_rows):
+            m.panel_rows = (1 if one_row else 2, PANEL_MAX_ROWS if more_rows else 1)
+        elif m.panels is not None:
+            m.panels = m.panel_kernels = None
+        elif not one_row:
+            m.transposed = None
 
 
 def pack_for_onednn(model: nn.Module, batch_hint: int = ONEDNN_BATCH_HINT,
-                    one_row_copy: bool = False) -> int:
+                    one_row_copy: bool = False, panel_kernels: Any = None) -> int:
     """Reorder every linear weight into oneDNN's blocked layout; a weight that nothing
     else shares (the embedding, when tied) is then freed, so memory stays one copy, or two
-    with `one_row_copy` (each weight also kept K x N for one-row products, `_Matmul`).
-    Returns the bytes packed."""
+    with `one_row_copy` (each weight also kept K x N for one-row products, or as panels
+    with `panel_kernels` for float32 weights; `_Matmul`). Returns the bytes packed."""
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
@@ -138,7 +170,12 @@ def pack_for_onednn(model: nn.Module, batch_hint: int = ONEDNN_BATCH_HINT,
             continue
         weight = module.weight
         module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-        if one_row_copy:
+        module.weight_rows, module.packed_in_features = weight.shape
+        if one_row_copy and panel_kernels is not None and weight.dtype == torch.float32:
+            module.panels = panel_kernels.pack_panels(weight.detach())
+            module.panel_kernels = panel_kernels
+            module.panel_rows = (1, PANEL_MAX_ROWS)
+        elif one_row_copy:
             module.transposed = weight.detach().t().contiguous()
         packed += weight.numel() * weight.element_size()
         if uses[id(weight)] == 1:

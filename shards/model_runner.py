@@ -21,12 +21,14 @@ from shards.attention import AttentionMetadata, CpuPagedAttentionBackend, Prefil
 from shards.cpu_plan import bind_torch_threads
 from shards.grammar import Grammars
 from shards.layers import (
+    PANEL_MAX_ROWS,
     TPContext,
-    drop_one_row_copy,
+    _Matmul,
     linear_weight_bytes,
     onednn_usable,
     pack_for_onednn,
-    time_one_row_products,
+    set_copy_rows,
+    time_copy_products,
     use_cpu_kernels,
 )
 from shards.loader import load_weights
@@ -89,6 +91,17 @@ def one_row_copy_pays(onednn_s: float, copy_s: float) -> bool:
     return copy_s <= ONE_ROW_COPY_MAX_RATIO * onednn_s
 
 
+# Steps of 2 to PANEL_MAX_ROWS rows use the panel copy where, timed alone at
+# PANEL_TIMING_ROWS rows, it is at most this much slower than oneDNN: alone they tie, and
+# beside the serving plane the claimed panels win (benchmarks/NOTES.md 46).
+PANEL_MAX_RATIO = 1.0
+PANEL_TIMING_ROWS = 32
+
+
+def panels_pay(onednn_s: float, panels_s: float) -> bool:
+    return panels_s <= PANEL_MAX_RATIO * onednn_s
+
+
 @dataclass(slots=True)
 class _Seq:
     token_ids: list[int]
@@ -124,6 +137,11 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.one_row_weights = False  # a second copy of the weights for one-row products
         self.one_row_timings: tuple[float, float] | None = None  # (oneDNN, copy) seconds
+        # The copy's layout ("panels" or "K x N", None without one); with panels, the rows
+        # (from, to) of the steps they serve and their timing at PANEL_TIMING_ROWS rows.
+        self.weight_copy: str | None = None
+        self.panel_rows: tuple[int, int] | None = None
+        self.panel_timings: tuple[float, float] | None = None
         # Torch's threads bound one per core (cpu_plan.bind_torch_threads): this thread,
         # which must be the one that runs the steps, and its OpenMP team.
         self._bound: list[int] = []  # native thread ids
@@ -197,21 +215,51 @@ class ModelRunner:
                 logger.info("no K x N weight copy for one-row products: %.0f MB of weights and "
                             "%.0f MB of KV cache would pass half of the %.0f MB available",
                             copy / 2**20, kv_cache / 2**20, available / 2**20)
+        kernels = self.backend.kernel if isinstance(self.backend, CpuPagedAttentionBackend) \
+            else None
+        if kernels is not None and not kernels.panels_supported():
+            kernels = None
         t0 = time.perf_counter()
-        size = pack_for_onednn(self.model, one_row_copy=self.one_row_weights)
+        size = pack_for_onednn(self.model, one_row_copy=self.one_row_weights,
+                               panel_kernels=kernels)
         logger.info("weights reordered for oneDNN: %.0f MB in %.1f s", size / 2**20,
                     time.perf_counter() - t0)
         if self.one_row_weights:
-            onednn_s, copy_s = time_one_row_products(self.model, rounds=5)
-            self.one_row_timings = (onednn_s, copy_s)
-            self.one_row_weights = one_row_copy_pays(onednn_s, copy_s)
-            if not self.one_row_weights:
-                drop_one_row_copy(self.model)
-            logger.info("one-row products on %d thread(s): oneDNN %.2f ms, MKL on a K x N "
-                        "copy %.2f ms: %s", torch.get_num_threads(), onednn_s * 1e3,
-                        copy_s * 1e3, "copy kept" if self.one_row_weights
-                        else "copy dropped (cpu_matmul=onednn: never made)")
+            self._time_weight_copy(any(m.panels is not None for m in self.model.modules()
+                                       if isinstance(m, _Matmul)))
         return "onednn"
+
+    def _time_weight_copy(self, panels: bool) -> None:
+        """Keep the weight copy for the steps it makes faster, timed here on this rank's
+        threads: one-row steps where it is a tenth faster than oneDNN, and with panels the
+        steps of 2 to PANEL_MAX_ROWS rows where they are no slower at PANEL_TIMING_ROWS."""
+        self.weight_copy = "panels" if panels else "K x N"
+        onednn_s, copy_s = time_copy_products(self.model, 1, rounds=5)
+        self.one_row_timings = (onednn_s, copy_s)
+        self.one_row_weights = one_row_copy_pays(onednn_s, copy_s)
+        more = False
+        if panels:
+            self.panel_timings = time_copy_products(self.model, PANEL_TIMING_ROWS, rounds=3)
+            more = panels_pay(*self.panel_timings)
+        set_copy_rows(self.model, self.one_row_weights, more)
+        if self.one_row_weights or more:
+            self.panel_rows = (1 if self.one_row_weights else 2,
+                               PANEL_MAX_ROWS if more else 1) if panels else None
+        else:
+            self.weight_copy = None
+        what = "panels" if panels else "MKL on a K x N copy"
+        text = (f"one-row products on {torch.get_num_threads()} thread(s): oneDNN "
+                f"{onednn_s * 1e3:.2f} ms, {what} {copy_s * 1e3:.2f} ms")
+        if panels:
+            text += (f"; {PANEL_TIMING_ROWS} rows: oneDNN {self.panel_timings[0] * 1e3:.2f} ms, "
+                     f"panels {self.panel_timings[1] * 1e3:.2f} ms")
+        if self.weight_copy is None:
+            text += ": copy dropped"
+        elif panels:
+            text += f": panels kept for steps of {self.panel_rows[0]}-{self.panel_rows[1]} rows"
+        else:
+            text += ": copy kept"
+        logger.info(text)
 
     # -- KV cache ----------------------------------------------------------------------
     @property

@@ -8,4 +8,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(x + residual) RMS-normalized and scaled, and that sum (CPU, fp32)");
   m.def("rotary_qk", &rotary_qk,
         "q and k of a fused qkv row, rotated (rotate_half RoPE), as new tensors (CPU, fp32)");
+  m.def("panels_supported", &panels_supported, "whether pack_panels/linear_panels are built");
+  m.def("pack_panels", &pack_panels, "W (N x K) as ceil(N / 64) panels of K x 64 (CPU, fp32)");
+  m.def("linear_panels", &linear_panels,
+        "x W^T (+ bias) on pack_panels' layout, panels claimed by threads (CPU, fp32)");
 }

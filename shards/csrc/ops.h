@@ -17,3 +17,9 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor x, std::optional<at::Tensor> res
 std::vector<at::Tensor> rotary_qk(at::Tensor qkv, at::Tensor positions,
                                   at::Tensor cos, at::Tensor sin, int64_t num_heads,
                                   int64_t num_kv_heads, int64_t head_dim);
+
+// x W^T on W cut into 64-column panels that threads claim one at a time (panel_linear.cpp).
+bool panels_supported();
+at::Tensor pack_panels(at::Tensor weight);
+at::Tensor linear_panels(at::Tensor x, at::Tensor panels, int64_t out_features,
+                         std::optional<at::Tensor> bias);

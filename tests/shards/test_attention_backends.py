@@ -195,6 +195,61 @@ def test_norm_kernel_matches_the_torch_norm(cpu_kernel, rows):
         norm(x, residual[:, :48])
 
 
+@pytest.fixture
+def panel_kernel(cpu_kernel):
+    if not cpu_kernel.panels_supported():
+        pytest.skip("the panel products are built for AVX-512 CPUs only")
+    return cpu_kernel
+
+
+# Rows: one (its own loop), blocks of 2-6 and their mixes (7 = 4 + 3, 13 = 5 + 4 + 4,
+# 33 = 6 x 3 + 5 x 3), 48 (PANEL_MAX_ROWS). Columns: whole panels and a part one (100);
+# K: whole slices of 128 and a part one (300), one and two threads claiming panels.
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 33, 48])
+@pytest.mark.parametrize(("out_features", "in_features"), [(1280, 768), (100, 300)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_panel_products_equal_linear(panel_kernel, rows, out_features, in_features, threads):
+    """x W^T + b on the panel layout equals F.linear up to float32 rounding (another
+    summation order), with and without a bias, whichever thread claims which panel."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(rows * out_features)
+        w = torch.randn(out_features, in_features, generator=gen) * 0.05
+        b = torch.randn(out_features, generator=gen)
+        x = torch.randn(rows, in_features, generator=gen)
+        panels = panel_kernel.pack_panels(w)
+        assert panels.shape == (-(-out_features // 64), in_features, 64)
+        for bias in (None, b):
+            got = panel_kernel.linear_panels(x, panels, out_features, bias)
+            want = torch.nn.functional.linear(x.double(), w.double(),
+                                              None if bias is None else bias.double())
+            assert got.shape == (rows, out_features) and got.dtype == torch.float32
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        # A strided x (a slice of a wider tensor) is read as its values.
+        wide = torch.randn(rows, in_features * 2, generator=gen)[:, ::2]
+        torch.testing.assert_close(panel_kernel.linear_panels(wide, panels, out_features, None),
+                                   torch.nn.functional.linear(wide, w), rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_num_threads(saved)
+
+
+def test_panel_products_refuse_what_does_not_match(panel_kernel):
+    w, x = torch.randn(100, 32), torch.randn(3, 32)
+    panels = panel_kernel.pack_panels(w)
+    with pytest.raises(RuntimeError, match="panels do not match"):
+        panel_kernel.linear_panels(torch.randn(3, 33), panels, 100, None)
+    with pytest.raises(RuntimeError, match="panels do not match"):
+        panel_kernel.linear_panels(x, panels, 129, None)  # more columns than the panels hold
+    with pytest.raises(RuntimeError, match="bias of 100"):
+        panel_kernel.linear_panels(x, panels, 100, torch.randn(99))
+    with pytest.raises(RuntimeError, match="2-d float32 x"):
+        panel_kernel.linear_panels(x.double(), panels, 100, None)
+    with pytest.raises(RuntimeError, match="float32 CPU weight"):
+        panel_kernel.pack_panels(w.double())
+    assert panel_kernel.linear_panels(x[:0], panels, 100, None).shape == (0, 100)
+
+
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 4, 64), (14, 2, 64), (4, 4, 16)])
 def test_rotary_kernel_is_bit_exact(cpu_kernel, heads, kv_heads, head_dim):
     """q and k rotated by the kernel equal the torch path bit for bit (no fused

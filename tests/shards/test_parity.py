@@ -179,38 +179,69 @@ def keep_torch_threads():
 
 @pytest.fixture
 def copy_pays(monkeypatch):
-    """Whether the start-up timing finds the K x N copy faster, decided by the test (on
-    the tiny test models either can win)."""
+    """Whether the start-up timings find the weight copy faster, decided by the test (on
+    the tiny test models either can win): for one-row steps, and (panels only) for steps
+    of 2 to PANEL_MAX_ROWS rows."""
     from shards import model_runner
 
-    def force(pays: bool) -> list:
+    def force(one_row: bool, more_rows: bool = False) -> list:
         timed = []
         monkeypatch.setattr(model_runner, "one_row_copy_pays",
-                            lambda onednn_s, copy_s: timed.append((onednn_s, copy_s)) or pays)
+                            lambda onednn_s, copy_s: timed.append((onednn_s, copy_s)) or one_row)
+        monkeypatch.setattr(model_runner, "panels_pay",
+                            lambda onednn_s, panels_s: timed.append((onednn_s, panels_s))
+                            or more_rows)
         return timed
 
     return force
 
 
-def run_counting_mm(llm, prompts) -> tuple[dict, list[int]]:
+@pytest.fixture
+def kernel():
+    from shards import cpu_kernels
+
+    return cpu_kernels.load()
+
+
+@pytest.fixture
+def no_panels(kernel, monkeypatch):
+    """The copy made K x N, as on a CPU without AVX-512 or without a compiler."""
+    if kernel is not None:
+        monkeypatch.setattr(kernel, "panels_supported", lambda: False)
+
+
+@pytest.fixture
+def panel_kernel(kernel):
+    if kernel is None or not kernel.panels_supported():
+        pytest.skip("the panel copy needs raygen's CPU kernels built for AVX-512")
+    return kernel
+
+
+def run_counting(llm, prompts, kernel=None) -> tuple[dict, list[int], list[int]]:
     """The prompts' greedy tokens, and the row count of every `torch.mm` the run made (the
-    K x N copy's products go through it; oneDNN's do not)."""
+    K x N copy's products go through it; oneDNN's do not) and of every panel product."""
     import torch
 
-    calls = []
+    mm_calls, panel_calls = [], []
     mm = torch.mm
+    panels = kernel.linear_panels if kernel is not None else None
     try:
-        torch.mm = lambda a, b: calls.append(a.shape[0]) or mm(a, b)
+        torch.mm = lambda a, b: mm_calls.append(a.shape[0]) or mm(a, b)
+        if kernel is not None:
+            kernel.linear_panels = (lambda x, *rest: panel_calls.append(x.shape[0])
+                                    or panels(x, *rest))
         got, _ = run_staggered(llm, prompts, PARITY_NEW_TOKENS)
     finally:
         torch.mm = mm
-    return got, calls
+        if kernel is not None:
+            kernel.linear_panels = panels
+    return got, mm_calls, panel_calls
 
 
 @pytest.mark.parametrize(("arch", "threads"), [("llama", 1), ("qwen2", 1), ("llama", 2)])
 def test_one_row_products_on_the_copy_match_transformers(arch, threads, llama_dir, qwen2_dir,
                                                          parity_prompts, keep_torch_threads,
-                                                         copy_pays):
+                                                         copy_pays, no_panels):
     # Where the copy paid at start-up, one-token steps go through MKL on a K x N copy of
     # each weight (the lm head's own, where qwen2 ties it to the embedding), on one thread
     # or two; more rows through oneDNN.
@@ -223,45 +254,81 @@ def test_one_row_products_on_the_copy_match_transformers(arch, threads, llama_di
     llm = LLM(model_dir, num_blocks=256, cpu_threads=threads, device="cpu")
     linears = [m for m in llm.runner.model.modules() if isinstance(m, _Matmul)]
     assert llm.runner.one_row_weights and torch.get_num_threads() == threads
+    assert llm.runner.weight_copy == "K x N" and llm.runner.panel_timings is None
     assert timed == [llm.runner.one_row_timings] and min(timed[0]) > 0
-    assert all(m.transposed is not None and m.packed is not None for m in linears)
-    got, calls = run_counting_mm(llm, parity_prompts)
+    assert all(m.transposed is not None and m.packed is not None and m.panels is None
+               for m in linears)
+    got, calls, _ = run_counting(llm, parity_prompts)
     assert calls and set(calls) == {1}  # one-row products took the copy, and only they
     assert got == references(model_dir, parity_prompts, PARITY_NEW_TOKENS)
     explicit = LLM(model_dir, num_blocks=16, cpu_threads=threads, cpu_matmul="onednn",
                    device="cpu")
     assert not explicit.runner.one_row_weights  # onednn: one copy of the weights, untimed
-    assert explicit.runner.one_row_timings is None
-    assert all(m.transposed is None for m in explicit.runner.model.modules()
-               if isinstance(m, _Matmul))
+    assert explicit.runner.one_row_timings is None and explicit.runner.weight_copy is None
+    assert all(m.transposed is None and m.panels is None
+               for m in explicit.runner.model.modules() if isinstance(m, _Matmul))
+
+
+@pytest.mark.parametrize(("arch", "threads", "one_row", "more_rows"), [
+    ("llama", 1, True, True), ("qwen2", 2, True, True),  # every step of 1 to 48 rows
+    ("llama", 2, False, True),  # 2 to 48 rows; one-row steps through oneDNN
+    ("llama", 2, True, False),  # one-row steps only
+])
+def test_panel_products_match_transformers(arch, threads, one_row, more_rows, llama_dir,
+                                           qwen2_dir, parity_prompts, keep_torch_threads,
+                                           copy_pays, panel_kernel):
+    """With raygen's kernels built for AVX-512 the copy is cut into panels, and the steps
+    whose row counts the timings chose go through them (the rest through oneDNN), with
+    the same greedy tokens as transformers."""
+    from shards.layers import PANEL_MAX_ROWS, _Matmul
+
+    model_dir = llama_dir if arch == "llama" else qwen2_dir
+    timed = copy_pays(one_row, more_rows)
+    llm = LLM(model_dir, num_blocks=256, cpu_threads=threads, device="cpu")
+    runner = llm.runner
+    rows = (1 if one_row else 2, PANEL_MAX_ROWS if more_rows else 1)
+    assert runner.weight_copy == "panels" and runner.panel_rows == rows
+    assert timed == [runner.one_row_timings, runner.panel_timings]
+    assert min(min(t) for t in timed) > 0
+    linears = [m for m in runner.model.modules() if isinstance(m, _Matmul)]
+    assert all(m.panels is not None and m.transposed is None and m.panel_rows == rows
+               for m in linears)
+    got, mm_calls, calls = run_counting(llm, parity_prompts, panel_kernel)
+    assert not mm_calls and calls and rows[0] <= min(calls) and max(calls) <= rows[1]
+    assert (1 in calls) == one_row and (max(calls) > 1) == more_rows
+    assert got == references(model_dir, parity_prompts, PARITY_NEW_TOKENS)
 
 
 def test_a_copy_that_does_not_pay_is_dropped(llama_dir, parity_prompts, keep_torch_threads,
-                                             copy_pays):
+                                             copy_pays, kernel):
     from shards.layers import _Matmul
 
-    timed = copy_pays(False)
+    timed = copy_pays(False, False)
     llm = LLM(llama_dir, num_blocks=256, device="cpu")
-    assert len(timed) == 1 and not llm.runner.one_row_weights
-    assert all(m.transposed is None and m.packed is not None
+    panels = kernel is not None and kernel.panels_supported()
+    assert len(timed) == (2 if panels else 1) and not llm.runner.one_row_weights
+    assert llm.runner.weight_copy is None and llm.runner.panel_rows is None
+    assert all(m.transposed is None and m.panels is None and m.packed is not None
                for m in llm.runner.model.modules() if isinstance(m, _Matmul))
-    got, calls = run_counting_mm(llm, parity_prompts)
-    assert not calls
+    got, mm_calls, panel_calls = run_counting(llm, parity_prompts, kernel)
+    assert not mm_calls and not panel_calls
     assert got == references(llama_dir, parity_prompts, PARITY_NEW_TOKENS)
 
 
-def test_the_copy_is_kept_only_where_it_is_a_tenth_faster(llama_dir, keep_torch_threads,
-                                                          copy_pays):
+def test_the_copy_is_kept_only_where_it_is_timed_faster(llama_dir, keep_torch_threads,
+                                                        copy_pays, kernel):
     import math
 
-    from shards.layers import time_one_row_products
-    from shards.model_runner import ModelRunner, ShardConfig, one_row_copy_pays
+    from shards.layers import time_copy_products
+    from shards.model_runner import ModelRunner, ShardConfig, one_row_copy_pays, panels_pay
 
     assert one_row_copy_pays(1.0, 0.9) and not one_row_copy_pays(1.0, 0.91)
-    copy_pays(True)
+    assert panels_pay(1.0, 1.0) and not panels_pay(1.0, 1.01)
+    copy_pays(True, True)
     runner = ModelRunner(ShardConfig(model=llama_dir, num_blocks=16, device="cpu"))
-    onednn_s, copy_s = time_one_row_products(runner.model, rounds=2)
-    assert 0 < onednn_s < math.inf and 0 < copy_s < math.inf
+    for rows in (1, 7):
+        onednn_s, copy_s = time_copy_products(runner.model, rows, rounds=2)
+        assert 0 < onednn_s < math.inf and 0 < copy_s < math.inf
 
 
 def test_no_one_row_copy_where_it_would_not_leave_half_the_memory(llama_dir, monkeypatch,
