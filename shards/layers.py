@@ -82,11 +82,12 @@ class _Matmul(nn.Module):
     panels: torch.Tensor | None = None
     panel_kernels: Any = None  # shards.cpu_kernels' module, which multiplies by `panels`
     panel_rows: tuple[int, int] = (1, 0)  # the row counts (from, to) that use the panels
+    weight_shape: tuple[int, int] = (0, 0)  # (N, K), kept when the weight itself is freed
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
         if self.panels is not None and self.panel_rows[0] <= rows <= self.panel_rows[1]:
-            return self.panel_kernels.linear_panels(x, self.panels, self.weight_rows, bias)
+            return self.panel_kernels.linear_panels(x, self.panels, self.weight_shape[0], bias)
         if self.transposed is not None and rows == 1:
             out = torch.mm(x, self.transposed)
             return out if bias is None else out.add_(bias)
@@ -118,7 +119,7 @@ def time_copy_products(model: nn.Module, rows: int = 1,
     best of `rounds` passes, the two alternating after one pass each to warm up."""
     linears = _copied(model)
     generator = torch.Generator().manual_seed(0)  # the process's own stream stays untouched
-    inputs = [torch.randn(rows, m.packed_in_features, generator=generator,
+    inputs = [torch.randn(rows, m.weight_shape[1], generator=generator,
                           dtype=torch.float32 if m.transposed is None else m.transposed.dtype)
               for m in linears]
 
@@ -129,7 +130,7 @@ def time_copy_products(model: nn.Module, rows: int = 1,
     def copy() -> None:
         for m, x in zip(linears, inputs, strict=True):
             if m.panels is not None:
-                m.panel_kernels.linear_panels(x, m.panels, m.weight_rows, None)
+                m.panel_kernels.linear_panels(x, m.panels, m.weight_shape[0], None)
             else:
                 torch.mm(x, m.transposed)
 
@@ -170,7 +171,7 @@ def pack_for_onednn(model: nn.Module, batch_hint: int = ONEDNN_BATCH_HINT,
             continue
         weight = module.weight
         module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
-        module.weight_rows, module.packed_in_features = weight.shape
+        module.weight_shape = tuple(weight.shape)
         if one_row_copy and panel_kernels is not None and weight.dtype == torch.float32:
             module.panels = panel_kernels.pack_panels(weight.detach())
             module.panel_kernels = panel_kernels

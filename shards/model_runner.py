@@ -23,7 +23,6 @@ from shards.grammar import Grammars
 from shards.layers import (
     PANEL_MAX_ROWS,
     TPContext,
-    _Matmul,
     linear_weight_bytes,
     onednn_usable,
     pack_for_onednn,
@@ -212,12 +211,14 @@ class ModelRunner:
             available = available_memory()
             if not one_row_copy_fits(copy, kv_cache, available):
                 self.one_row_weights = False
-                logger.info("no K x N weight copy for one-row products: %.0f MB of weights and "
+                logger.info("no second copy of the weights: %.0f MB of weights and "
                             "%.0f MB of KV cache would pass half of the %.0f MB available",
                             copy / 2**20, kv_cache / 2**20, available / 2**20)
+        # The copy is cut into panels where raygen's kernels multiply by them: the CPU
+        # attention backend's module (float32), built for AVX-512.
         kernels = self.backend.kernel if isinstance(self.backend, CpuPagedAttentionBackend) \
             else None
-        if kernels is not None and not kernels.panels_supported():
+        if kernels is not None and (self.dtype != torch.float32 or not kernels.panels_supported()):
             kernels = None
         t0 = time.perf_counter()
         size = pack_for_onednn(self.model, one_row_copy=self.one_row_weights,
@@ -225,8 +226,7 @@ class ModelRunner:
         logger.info("weights reordered for oneDNN: %.0f MB in %.1f s", size / 2**20,
                     time.perf_counter() - t0)
         if self.one_row_weights:
-            self._time_weight_copy(any(m.panels is not None for m in self.model.modules()
-                                       if isinstance(m, _Matmul)))
+            self._time_weight_copy(panels=kernels is not None)
         return "onednn"
 
     def _time_weight_copy(self, panels: bool) -> None:
