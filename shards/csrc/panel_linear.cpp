@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -170,6 +171,8 @@ at::Tensor linear_panels(at::Tensor x, at::Tensor panels, int64_t out_features,
                   panels.size(0) * kPanel >= out_features && panels.is_contiguous(),
               "linear_panels: panels do not match x (", x.sizes(), ") and ", out_features,
               " output features");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(panels.data_ptr()) % 64 == 0,
+              "linear_panels: panels must start on a 64-byte boundary (as pack_panels makes them)");
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), P = (out_features + kPanel - 1) / kPanel;
   at::Tensor out = at::empty({M, out_features}, xc.options());

@@ -248,6 +248,9 @@ def test_panel_products_refuse_what_does_not_match(panel_kernel):
     with pytest.raises(RuntimeError, match="float32 CPU weight"):
         panel_kernel.pack_panels(w.double())
     assert panel_kernel.linear_panels(x[:0], panels, 100, None).shape == (0, 100)
+    shifted = torch.cat([torch.zeros(1), panels.flatten()])[1:].view(panels.shape)
+    with pytest.raises(RuntimeError, match="64-byte boundary"):  # aligned loads would fault
+        panel_kernel.linear_panels(x, shifted, 100, None)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(12, 4, 64), (14, 2, 64), (4, 4, 16)])
