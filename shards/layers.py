@@ -74,7 +74,7 @@ class _Matmul(nn.Module):
     one at a time, for steps of up to `panel_rows[1]` rows: oneDNN splits a product in
     fixed shares, so a thread that another process preempts holds the other up at the end
     of every product; here the other takes its share. Alone they tie oneDNN from 2 to 48
-    rows and MKL's copy at one row; beside a busy process they are 12-22% faster than
+    rows and MKL's copy at one row; beside a busy process they are 4-22% faster than
     oneDNN at 8-32 rows (NOTES 46). Which row counts use them is timed at start-up too."""
 
     packed: torch.Tensor | None = None

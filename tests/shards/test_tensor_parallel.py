@@ -401,23 +401,23 @@ def test_constrained_output_at_tp2_equals_one_shard(llama_dir, tokenizer):
 def kept_one_row_copy_where_it_paid(placement: dict) -> bool:
     """A rank timed its products both ways on its own threads, and kept the weight copy
     exactly for the steps where it was faster by the margin: one-row steps, and with
-    panels those of 2 to PANEL_MAX_ROWS rows (shards/model_runner.py)."""
+    panels (timed at PANEL_TIMING_ROWS too) those of 2 to PANEL_MAX_ROWS rows
+    (shards/model_runner.py). A copy that serves no step is gone."""
     from shards.layers import PANEL_MAX_ROWS
     from shards.model_runner import one_row_copy_pays, panels_pay
 
     timings, panel_timings = placement["one_row_timings"], placement["panel_timings"]
-    if timings is None or placement["one_row_weights"] != one_row_copy_pays(*timings):
+    one_row = placement["one_row_weights"]
+    if timings is None or one_row != one_row_copy_pays(*timings):
         return False
-    if placement["weight_copy"] != "panels":
-        more = False
-        if panel_timings is not None or placement["panel_rows"] is not None:
-            return False
+    more = panel_timings is not None and panels_pay(*panel_timings)
+    kept = one_row or more
+    if panel_timings is None:  # the K x N copy: one-row steps only
+        want = ("K x N" if kept else None, None)
     else:
-        more = panels_pay(*panel_timings)
-        rows = (1 if placement["one_row_weights"] else 2, PANEL_MAX_ROWS if more else 1)
-        if placement["panel_rows"] != rows:
-            return False
-    return (placement["weight_copy"] is None) == (not placement["one_row_weights"] and not more)
+        want = ("panels", (1 if one_row else 2, PANEL_MAX_ROWS if more else 1)) if kept \
+            else (None, None)
+    return (placement["weight_copy"], placement["panel_rows"]) == want
 
 
 # Where a rank runs a thread per core of its slice, each thread is bound to one of them
