@@ -144,16 +144,20 @@ def time_copy_products(model: nn.Module, rows: int = 1,
     return best[0], best[1]
 
 
-def set_copy_rows(model: nn.Module, one_row: bool, more_rows: bool) -> None:
+def set_copy_rows(model: nn.Module, one_row: bool, more_rows: bool) -> tuple[int, int] | None:
     """Which steps the copies serve: one-row ones (`one_row`), and with panels those of 2
-    to PANEL_MAX_ROWS rows (`more_rows`). A copy left serving none is freed."""
+    to PANEL_MAX_ROWS rows (`more_rows`). A copy left serving none is freed. Returns the
+    panels' rows (from, to), None where no panels serve."""
+    rows = (1 if one_row else 2, PANEL_MAX_ROWS if more_rows else 1)
+    kept = None
     for m in _copied(model):
-        if m.panels is not None and (one_row or more_rows):
-            m.panel_rows = (1 if one_row else 2, PANEL_MAX_ROWS if more_rows else 1)
+        if m.panels is not None and rows[0] <= rows[1]:
+            m.panel_rows = kept = rows
         elif m.panels is not None:
             m.panels = m.panel_kernels = None
         elif not one_row:
             m.transposed = None
+    return kept
 
 
 def pack_for_onednn(model: nn.Module, batch_hint: int = ONEDNN_BATCH_HINT,

@@ -21,7 +21,6 @@ from shards.attention import AttentionMetadata, CpuPagedAttentionBackend, Prefil
 from shards.cpu_plan import bind_torch_threads
 from shards.grammar import Grammars
 from shards.layers import (
-    PANEL_MAX_ROWS,
     TPContext,
     linear_weight_bytes,
     onednn_usable,
@@ -241,11 +240,8 @@ class ModelRunner:
         if panels:
             self.panel_timings = time_copy_products(self.model, PANEL_TIMING_ROWS, rounds=3)
             more = panels_pay(*self.panel_timings)
-        set_copy_rows(self.model, self.one_row_weights, more)
-        if self.one_row_weights or more:
-            self.panel_rows = (1 if self.one_row_weights else 2,
-                               PANEL_MAX_ROWS if more else 1) if panels else None
-        else:
+        self.panel_rows = set_copy_rows(self.model, self.one_row_weights, more)
+        if not (self.one_row_weights or more):
             self.weight_copy = None
         what = "panels" if panels else "MKL on a K x N copy"
         text = (f"one-row products on {torch.get_num_threads()} thread(s): oneDNN "

@@ -7,10 +7,11 @@
 // thing with a gather and SDPA; this replaces only its decode part.
 #include "ops.h"
 
+#include "claim.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -43,16 +44,11 @@ void decode_kernel(const float* __restrict__ q, const float* __restrict__ k_cach
   const int64_t groups = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // between slots of one block
   const int64_t block_stride = block_size * token_stride;
-  // Tasks (one sequence's kv head each) are claimed one at a time rather than split into
-  // a fixed range per thread: when another process takes a core from one of torch's
-  // threads (the serving plane shares the cores), the other thread takes on its tasks
-  // instead of waiting for them at the end (benchmarks/NOTES.md 45).
-  const int64_t tasks = batch * num_kv_heads;
-  std::atomic<int64_t> next_task{0};
-  const int64_t teams = std::min<int64_t>(tasks, at::get_num_threads());
-  at::parallel_for(0, teams, 1, [&](int64_t, int64_t) {
-    std::vector<float> scores, acc(groups * head_dim);
-    for (int64_t task; (task = next_task.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+  // Tasks (one sequence's kv head each) are claimed one at a time (claim.h), each thread
+  // with its own scratch.
+  for_each_claimed(batch * num_kv_heads, [&] {
+    return [&, scores = std::vector<float>(),
+            acc = std::vector<float>(groups * head_dim)](int64_t task) mutable {
       const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
       const int64_t len = static_cast<int64_t>(seq_lens[b]);
       const int64_t num_blocks = (len + block_size - 1) / block_size;
@@ -107,7 +103,7 @@ void decode_kernel(const float* __restrict__ q, const float* __restrict__ k_cach
         const float inv = 1.f / sum;
         for (int64_t d = 0; d < head_dim; ++d) o[d] = a[d] * inv;
       }
-    }
+    };
   });
 }
 

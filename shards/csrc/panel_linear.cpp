@@ -15,10 +15,11 @@
 // shards keep oneDNN and the plain K x N copy (shards/layers.py).
 #include "ops.h"
 
+#include "claim.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 
 #if defined(__AVX512F__)
@@ -189,11 +190,8 @@ at::Tensor linear_panels(at::Tensor x, at::Tensor panels, int64_t out_features,
   const float* xp = xc.data_ptr<float>();
   const float* wp = panels.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  std::atomic<int64_t> next{0};
-  // One task per thread; each claims panels until none is left.
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < P;)
-      panel_product(xp, M, K, wp + p * K * kPanel, op, out_features, p, b);
+  for_each_claimed(P, [&] {
+    return [&](int64_t p) { panel_product(xp, M, K, wp + p * K * kPanel, op, out_features, p, b); };
   });
 #endif
   return out;
