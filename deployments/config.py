@@ -49,7 +49,7 @@ class AppArgs(BaseModel):
         "reordered at start-up (auto, unless torch_compile) or torch (MKL). auto also "
         "makes a second copy of the weights (64-column panels with raygen's AVX-512 "
         "kernels, else K x N for MKL), times it against oneDNN at start-up and keeps it "
-        "for the steps it makes faster (one row: by 10%; panels, 2-48 rows: no slower at "
+        "for the steps it makes faster (one row: by 10%; panels, 2-64 rows: no slower at "
         "32); onednn keeps one copy")
     reserved_cpus: int | None = Field(
         None, ge=0, description="cores per node the shards leave to the serving plane "

@@ -17,9 +17,10 @@ from torch import nn
 # oneDNN picks its weight layout for this many rows; 32 served every row count a step
 # has (1 to a prefill's hundreds) as well as or better than the others measured.
 ONEDNN_BATCH_HINT = 32
-# Steps of up to this many rows may use the panel copy (`_Matmul`): alone, the panels tied
-# oneDNN up to 48 rows and lost 4-5% at 64 and 128 (benchmarks/NOTES.md 46).
-PANEL_MAX_ROWS = 48
+# Steps of up to this many rows may use the panel copy (`_Matmul`): alone, the panels
+# (prefetching each next slice) took 0.70-0.93x oneDNN's time from 2 to 48 rows and
+# 0.91-0.97x at 64; tied at 96 and lost 4-10% at 128-160 (benchmarks/NOTES.md 47).
+PANEL_MAX_ROWS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +74,10 @@ class _Matmul(nn.Module):
     64-column panels (`panels`, shards/csrc/panel_linear.cpp) that torch's threads claim
     one at a time, for steps of up to `panel_rows[1]` rows: oneDNN splits a product in
     fixed shares, so a thread that another process preempts holds the other up at the end
-    of every product; here the other takes its share. Alone they tie oneDNN from 2 to 48
-    rows and MKL's copy at one row; beside a busy process they are 4-22% faster than
-    oneDNN at 8-32 rows (NOTES 46). Which row counts use them is timed at start-up too."""
+    of every product; here the other takes its share. Alone they take 0.70-0.97x
+    oneDNN's time from 2 to 64 rows and tie MKL's copy at one row; beside a busy process
+    0.84-0.87x at 48-64 rows (NOTES 46-47). Which row counts use them is timed at start-up
+    too."""
 
     packed: torch.Tensor | None = None
     transposed: torch.Tensor | None = None

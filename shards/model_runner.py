@@ -90,8 +90,9 @@ def one_row_copy_pays(onednn_s: float, copy_s: float) -> bool:
 
 
 # Steps of 2 to PANEL_MAX_ROWS rows use the panel copy where, timed alone at
-# PANEL_TIMING_ROWS rows, it is at most this much slower than oneDNN: alone they tie, and
-# beside the serving plane the claimed panels win (benchmarks/NOTES.md 46).
+# PANEL_TIMING_ROWS rows, it is at most this much slower than oneDNN: alone they won by
+# 14-20% there on this Xeon, and beside the serving plane the claimed panels win by more
+# (benchmarks/NOTES.md 46-47).
 PANEL_MAX_RATIO = 1.0
 PANEL_TIMING_ROWS = 32
 

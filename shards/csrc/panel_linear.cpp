@@ -9,7 +9,8 @@
 // panel p holds columns [64p, 64p + 64) of W^T, K rows of 64 floats, contiguous, so one
 // panel streams from memory in one pass. Rows are computed in blocks of at most 6 (6 x 4
 // accumulators in registers), K in slices of 128 so that a slice of the panel stays in L1
-// while every row block uses it; one row streams the whole panel without slicing.
+// while every row block uses it, the first block prefetching the next slice into L2; one
+// row streams the whole panel without slicing.
 //
 // AVX-512 only (the build is -march=native): elsewhere `panels_supported` is false and the
 // shards keep oneDNN and the plain K x N copy (shards/layers.py).
@@ -45,9 +46,12 @@ struct Masks {
 };
 
 // out[r, :64] = (first ? bias : out[r, :64]) + x[r, k0:k1] . panel[k0:k1, :] for MR rows.
+// With `next`, the first `next_rows` K rows of the panel's next slice are prefetched into
+// L2 along the way, one K row per k step.
 template <int MR>
 void row_block(const float* x, int64_t ldx, int64_t k0, int64_t k1, const float* panel,
-               float* out, int64_t ldo, const Masks& mk, bool first, const float* bias) {
+               float* out, int64_t ldo, const Masks& mk, bool first, const float* bias,
+               const float* next, int64_t next_rows) {
   __m512 acc[MR][4];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 4; ++j)
@@ -56,6 +60,10 @@ void row_block(const float* x, int64_t ldx, int64_t k0, int64_t k1, const float*
                         : _mm512_maskz_loadu_ps(mk.m[j], out + r * ldo + 16 * j);
   const float* w = panel + k0 * kPanel;
   for (int64_t k = k0; k < k1; ++k, w += kPanel) {
+    if (k - k0 < next_rows) {
+      const char* line = reinterpret_cast<const char*>(next + (k - k0) * kPanel);
+      for (int j = 0; j < 4; ++j) _mm_prefetch(line + 64 * j, _MM_HINT_T1);
+    }
     const __m512 w0 = _mm512_load_ps(w), w1 = _mm512_load_ps(w + 16),
                  w2 = _mm512_load_ps(w + 32), w3 = _mm512_load_ps(w + 48);
     for (int r = 0; r < MR; ++r) {
@@ -99,14 +107,15 @@ void one_row(const float* x, int64_t K, const float* panel, float* out, const Ma
 }
 
 void rows(int64_t mr, const float* x, int64_t K, int64_t k0, int64_t k1, const float* panel,
-          float* out, int64_t N, const Masks& mk, bool first, const float* bias) {
+          float* out, int64_t N, const Masks& mk, bool first, const float* bias,
+          const float* next, int64_t next_rows) {
   switch (mr) {
-    case 6: row_block<6>(x, K, k0, k1, panel, out, N, mk, first, bias); break;
-    case 5: row_block<5>(x, K, k0, k1, panel, out, N, mk, first, bias); break;
-    case 4: row_block<4>(x, K, k0, k1, panel, out, N, mk, first, bias); break;
-    case 3: row_block<3>(x, K, k0, k1, panel, out, N, mk, first, bias); break;
-    case 2: row_block<2>(x, K, k0, k1, panel, out, N, mk, first, bias); break;
-    default: row_block<1>(x, K, k0, k1, panel, out, N, mk, first, bias); break;
+    case 6: row_block<6>(x, K, k0, k1, panel, out, N, mk, first, bias, next, next_rows); break;
+    case 5: row_block<5>(x, K, k0, k1, panel, out, N, mk, first, bias, next, next_rows); break;
+    case 4: row_block<4>(x, K, k0, k1, panel, out, N, mk, first, bias, next, next_rows); break;
+    case 3: row_block<3>(x, K, k0, k1, panel, out, N, mk, first, bias, next, next_rows); break;
+    case 2: row_block<2>(x, K, k0, k1, panel, out, N, mk, first, bias, next, next_rows); break;
+    default: row_block<1>(x, K, k0, k1, panel, out, N, mk, first, bias, next, next_rows); break;
   }
 }
 
@@ -122,12 +131,17 @@ void panel_product(const float* x, int64_t M, int64_t K, const float* panel, flo
   }
   // Blocks as even as they can be (32 rows: 6, 6, 5, 5, 5, 5): a lone short block wastes
   // most of its registers' FMAs.
+  // The first row block of each slice also prefetches the next slice into L2: without it
+  // every slice's first block waits on memory (the hardware prefetcher stops at each 4 KB
+  // page), which cost 15-20% at 8-32 rows (benchmarks/NOTES.md 47).
   const int64_t blocks = (M + kMaxBlock - 1) / kMaxBlock;
   for (int64_t k0 = 0; k0 < K; k0 += kSlice) {
     const int64_t k1 = std::min(K, k0 + kSlice);
+    const int64_t next_rows = std::min(K, k1 + kSlice) - k1;
     for (int64_t i = 0, r = 0; i < blocks; ++i) {
       const int64_t mr = M / blocks + (i < M % blocks ? 1 : 0);
-      rows(mr, x + r * K, K, k0, k1, panel, o + r * N, N, mk, k0 == 0, b);
+      rows(mr, x + r * K, K, k0, k1, panel, o + r * N, N, mk, k0 == 0, b,
+           panel + k1 * kPanel, i == 0 ? next_rows : 0);
       r += mr;
     }
   }

@@ -270,8 +270,8 @@ def test_one_row_products_on_the_copy_match_transformers(arch, threads, llama_di
 
 
 @pytest.mark.parametrize(("arch", "threads", "one_row", "more_rows"), [
-    ("llama", 1, True, True), ("qwen2", 2, True, True),  # every step of 1 to 48 rows
-    ("llama", 2, False, True),  # 2 to 48 rows; one-row steps through oneDNN
+    ("llama", 1, True, True), ("qwen2", 2, True, True),  # every step of 1 to PANEL_MAX_ROWS
+    ("llama", 2, False, True),  # 2 to PANEL_MAX_ROWS; one-row steps through oneDNN
     ("llama", 2, True, False),  # one-row steps only
 ])
 def test_panel_products_match_transformers(arch, threads, one_row, more_rows, llama_dir,
