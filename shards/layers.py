@@ -18,8 +18,8 @@ from torch import nn
 # has (1 to a prefill's hundreds) as well as or better than the others measured.
 ONEDNN_BATCH_HINT = 32
 # Steps of up to this many rows may use the panel copy (`_Matmul`): alone, the panels
-# (prefetching each next slice) took 0.70-0.93x oneDNN's time from 2 to 48 rows and
-# 0.91-0.97x at 64; tied at 96 and lost 4-10% at 128-160 (benchmarks/NOTES.md 47).
+# took 0.69-0.93x oneDNN's time from 2 to 48 rows and 0.87-0.97x at 64, and tied it at
+# 128-256; whether they pay there in the server is not measured (benchmarks/NOTES.md 47).
 PANEL_MAX_ROWS = 64
 
 
@@ -74,7 +74,7 @@ class _Matmul(nn.Module):
     64-column panels (`panels`, shards/csrc/panel_linear.cpp) that torch's threads claim
     one at a time, for steps of up to `panel_rows[1]` rows: oneDNN splits a product in
     fixed shares, so a thread that another process preempts holds the other up at the end
-    of every product; here the other takes its share. Alone they take 0.70-0.97x
+    of every product; here the other takes its share. Alone they take 0.69-0.97x
     oneDNN's time from 2 to 64 rows and tie MKL's copy at one row; beside a busy process
     0.84-0.87x at 48-64 rows (NOTES 46-47). Which row counts use them is timed at start-up
     too."""
