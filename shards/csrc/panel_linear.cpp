@@ -62,7 +62,7 @@ inline void fma_step(__m512 (&acc)[MR][4], const float* x, int64_t ldx, int64_t 
 
 // out[r, :64] = (first ? bias : out[r, :64]) + x[r, k0:k1] . panel[k0:k1, :] for MR rows.
 // The first `next_rows` k steps also prefetch one K row each of the panel's next slice
-// (`next`) into L2; the rest run without that test in the loop, unrolled by two (8-10%
+// (`next`) into L2; the rest run without that test in the loop, unrolled by two (7-10%
 // faster at 64-256 rows than one loop that tests every step; NOTES.md 47).
 template <int MR>
 void row_block(const float* x, int64_t ldx, int64_t k0, int64_t k1, const float* panel,
