@@ -4,10 +4,12 @@ usage series moving, under the names the Grafana dashboard queries."""
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,15 +24,32 @@ pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
                                 reason="prometheus not installed (make test installs it)")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# Ray's fixed default ports (GCS, dashboard, Ray client, the dashboard agent's HTTP port):
+# ray.init refuses a port given to another component that equals one of them.
+RAY_DEFAULT_PORTS = {6379, 8265, 10001, 52365}
+
+
+def free_port(taken: frozenset[int] = frozenset()) -> int:
+    """A port below the OS's ephemeral range, where nothing that binds port 0 lands: Ray
+    picks its own random ports that way after this one is chosen, and the range holds
+    52365 (CI once failed on exactly that collision)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.randrange(max(1024, low - 12000), low)
+        if port in RAY_DEFAULT_PORTS | taken | {PORT}:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 
 @pytest.fixture(scope="module")
 def prometheus(llama_dir, tmp_path_factory):
-    export_port, prom_port = free_port(), free_port()
+    export_port = free_port()
+    prom_port = free_port(frozenset({export_port}))
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
              _metrics_export_port=export_port,
              _system_config={"metrics_report_interval_ms": 1000})
