@@ -17,10 +17,10 @@ from torch import nn
 # oneDNN picks its weight layout for this many rows; 32 served every row count a step
 # has (1 to a prefill's hundreds) as well as or better than the others measured.
 ONEDNN_BATCH_HINT = 32
-# Steps of up to this many rows may use the panel copy (`_Matmul`): alone, the panels
-# took 0.69-0.93x oneDNN's time from 2 to 48 rows and 0.87-0.97x at 64, and tied it at
-# 128-256; whether they pay there in the server is not measured (benchmarks/NOTES.md 47).
-PANEL_MAX_ROWS = 64
+# Steps of up to this many rows may use the panel copy (`_Matmul`), where the start-up
+# timings admit them (shards/model_runner.py): alone the panels took 0.69-0.97x
+# oneDNN's time from 2 to 64 rows and tied it at 128-256 (benchmarks/NOTES.md 47-48).
+PANEL_MAX_ROWS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +75,9 @@ class _Matmul(nn.Module):
     one at a time, for steps of up to `panel_rows[1]` rows: oneDNN splits a product in
     fixed shares, so a thread that another process preempts holds the other up at the end
     of every product; here the other takes its share. Alone they take 0.69-0.97x
-    oneDNN's time from 2 to 64 rows and tie MKL's copy at one row; beside a busy process
-    0.84-0.87x at 48-64 rows (NOTES 46-47). Which row counts use them is timed at start-up
-    too."""
+    oneDNN's time from 2 to 64 rows, tie it at 128-256 and tie MKL's copy at one row;
+    beside a busy process 0.84-0.87x at 48-64 rows and 0.75-0.99x at 128-160 (NOTES
+    46-48). Which row counts use them is timed at start-up too."""
 
     packed: torch.Tensor | None = None
     transposed: torch.Tensor | None = None
@@ -146,11 +146,11 @@ def time_copy_products(model: nn.Module, rows: int = 1,
     return best[0], best[1]
 
 
-def set_copy_rows(model: nn.Module, one_row: bool, more_rows: bool) -> tuple[int, int] | None:
+def set_copy_rows(model: nn.Module, one_row: bool, up_to: int) -> tuple[int, int] | None:
     """Which steps the copies serve: one-row ones (`one_row`), and with panels those of 2
-    to PANEL_MAX_ROWS rows (`more_rows`). A copy left serving none is freed. Returns the
-    panels' rows (from, to), None where no panels serve."""
-    rows = (1 if one_row else 2, PANEL_MAX_ROWS if more_rows else 1)
+    to `up_to` rows (none where `up_to` is 1). A copy left serving none is freed. Returns
+    the panels' rows (from, to), None where no panels serve."""
+    rows = (1 if one_row else 2, up_to)
     kept = None
     for m in _copied(model):
         if m.panels is not None and rows[0] <= rows[1]:

@@ -21,6 +21,7 @@ from shards.attention import AttentionMetadata, CpuPagedAttentionBackend, Prefil
 from shards.cpu_plan import bind_torch_threads
 from shards.grammar import Grammars
 from shards.layers import (
+    PANEL_MAX_ROWS,
     TPContext,
     linear_weight_bytes,
     onednn_usable,
@@ -89,16 +90,21 @@ def one_row_copy_pays(onednn_s: float, copy_s: float) -> bool:
     return copy_s <= ONE_ROW_COPY_MAX_RATIO * onednn_s
 
 
-# Steps of 2 to PANEL_MAX_ROWS rows use the panel copy where, timed alone at
-# PANEL_TIMING_ROWS rows, it is at most this much slower than oneDNN: alone they won by
-# 14-20% there on this Xeon, and beside the serving plane the claimed panels win by more
-# (benchmarks/NOTES.md 46-47).
-PANEL_MAX_RATIO = 1.0
-PANEL_TIMING_ROWS = 32
+# Steps of 2 rows and more use the panel copy up to the most rows that the start-up
+# timings admit, each timing run only where the one before it passed: (rows timed, the
+# most rows of the steps it admits, the most panels / oneDNN time that passes).
+# - At 32 rows alone the panels won by 14-20% on this Xeon, and beside the serving plane
+#   by more (benchmarks/NOTES.md 46-47).
+# - At 160 rows (a prefill-heavy step: a decode batch and a 128-token prompt) they tie
+#   oneDNN alone (0.91-1.04x), and win in the server, where the serving plane preempts a
+#   thread: +8% output tok/s at 32 in both workloads (NOTES 48). A tenth's margin keeps
+#   them where they tie and drops them on a CPU where they lose.
+PANEL_TIMINGS = ((32, 64, 1.0), (160, PANEL_MAX_ROWS, 1.1))
 
 
-def panels_pay(onednn_s: float, panels_s: float) -> bool:
-    return panels_s <= PANEL_MAX_RATIO * onednn_s
+def panels_pay(rows: int, onednn_s: float, panels_s: float) -> bool:
+    ratio = next(ratio for timed, _, ratio in PANEL_TIMINGS if timed == rows)
+    return panels_s <= ratio * onednn_s
 
 
 @dataclass(slots=True)
@@ -137,10 +143,10 @@ class ModelRunner:
         self.one_row_weights = False  # a second copy of the weights for one-row products
         self.one_row_timings: tuple[float, float] | None = None  # (oneDNN, copy) seconds
         # The copy's layout ("panels" or "K x N", None without one); with panels, the rows
-        # (from, to) of the steps they serve and their timing at PANEL_TIMING_ROWS rows.
+        # (from, to) of the steps they serve, and (oneDNN, panels) seconds by rows timed.
         self.weight_copy: str | None = None
         self.panel_rows: tuple[int, int] | None = None
-        self.panel_timings: tuple[float, float] | None = None
+        self.panel_timings: dict[int, tuple[float, float]] | None = None
         # Torch's threads bound one per core (cpu_plan.bind_torch_threads): this thread,
         # which must be the one that runs the steps, and its OpenMP team.
         self._bound: list[int] = []  # native thread ids
@@ -232,24 +238,27 @@ class ModelRunner:
     def _time_weight_copy(self, panels: bool) -> None:
         """Keep the weight copy for the steps it makes faster, timed here on this rank's
         threads: one-row steps where it is a tenth faster than oneDNN, and with panels the
-        steps of 2 to PANEL_MAX_ROWS rows where they are no slower at PANEL_TIMING_ROWS."""
+        steps of 2 rows and more up to the most that PANEL_TIMINGS admits."""
         self.weight_copy = "panels" if panels else "K x N"
         onednn_s, copy_s = time_copy_products(self.model, 1, rounds=5)
         self.one_row_timings = (onednn_s, copy_s)
         self.one_row_weights = one_row_copy_pays(onednn_s, copy_s)
-        more = False
+        up_to = 1
         if panels:
-            self.panel_timings = time_copy_products(self.model, PANEL_TIMING_ROWS, rounds=3)
-            more = panels_pay(*self.panel_timings)
-        self.panel_rows = set_copy_rows(self.model, self.one_row_weights, more)
-        if not (self.one_row_weights or more):
+            self.panel_timings = {}
+            for rows, most, _ in PANEL_TIMINGS:
+                timed = self.panel_timings[rows] = time_copy_products(self.model, rows, rounds=3)
+                if not panels_pay(rows, *timed):
+                    break
+                up_to = most
+        self.panel_rows = set_copy_rows(self.model, self.one_row_weights, up_to)
+        if not (self.one_row_weights or up_to > 1):
             self.weight_copy = None
         what = "panels" if panels else "MKL on a K x N copy"
         text = (f"one-row products on {torch.get_num_threads()} thread(s): oneDNN "
                 f"{onednn_s * 1e3:.2f} ms, {what} {copy_s * 1e3:.2f} ms")
-        if panels:
-            text += (f"; {PANEL_TIMING_ROWS} rows: oneDNN {self.panel_timings[0] * 1e3:.2f} ms, "
-                     f"panels {self.panel_timings[1] * 1e3:.2f} ms")
+        for rows, (onednn_s, panels_s) in (self.panel_timings or {}).items():
+            text += f"; {rows} rows: oneDNN {onednn_s * 1e3:.2f} ms, panels {panels_s * 1e3:.2f} ms"
         if self.weight_copy is None:
             text += ": copy dropped"
         elif panels:

@@ -203,9 +203,10 @@ def panel_kernel(cpu_kernel):
 
 
 # Rows: one (its own loop), blocks of 2-6 and their mixes (7 = 4 + 3, 13 = 5 + 4 + 4,
-# 33 = 6 x 3 + 5 x 3), 48 (PANEL_MAX_ROWS). Columns: whole panels and a part one (100);
-# K: whole slices of 128 and a part one (300), one and two threads claiming panels.
-@pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 33, 48])
+# 33 = 6 x 3 + 5 x 3), 161 and 256 (PANEL_MAX_ROWS). Columns: whole panels and a part
+# one (100); K: whole slices of 128 and a part one (300), one and two threads claiming
+# panels.
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 33, 161, 256])
 @pytest.mark.parametrize(("out_features", "in_features"), [(1280, 768), (100, 300)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_panel_products_equal_linear(panel_kernel, rows, out_features, in_features, threads):

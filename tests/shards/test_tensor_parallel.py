@@ -401,22 +401,28 @@ def test_constrained_output_at_tp2_equals_one_shard(llama_dir, tokenizer):
 def kept_one_row_copy_where_it_paid(placement: dict) -> bool:
     """A rank timed its products both ways on its own threads, and kept the weight copy
     exactly for the steps where it was faster by the margin: one-row steps, and with
-    panels (timed at PANEL_TIMING_ROWS too) those of 2 to PANEL_MAX_ROWS rows
-    (shards/model_runner.py). A copy that serves no step is gone."""
-    from shards.layers import PANEL_MAX_ROWS
-    from shards.model_runner import one_row_copy_pays, panels_pay
+    panels those of 2 rows up to the most that the timings at PANEL_TIMINGS' row counts
+    admit, each timed only where the one before it passed (shards/model_runner.py). A
+    copy that serves no step is gone."""
+    from shards.model_runner import PANEL_TIMINGS, one_row_copy_pays, panels_pay
 
     timings, panel_timings = placement["one_row_timings"], placement["panel_timings"]
     one_row = placement["one_row_weights"]
     if timings is None or one_row != one_row_copy_pays(*timings):
         return False
-    more = panel_timings is not None and panels_pay(*panel_timings)
-    kept = one_row or more
     if panel_timings is None:  # the K x N copy: one-row steps only
-        want = ("K x N" if kept else None, None)
-    else:
-        want = ("panels", (1 if one_row else 2, PANEL_MAX_ROWS if more else 1)) if kept \
-            else (None, None)
+        return (placement["weight_copy"], placement["panel_rows"]) == \
+            ("K x N" if one_row else None, None)
+    up_to, should_time = 1, []
+    for rows, most, _ in PANEL_TIMINGS:
+        should_time.append(rows)
+        if rows not in panel_timings or not panels_pay(rows, *panel_timings[rows]):
+            break
+        up_to = most
+    if list(panel_timings) != should_time:
+        return False
+    kept = one_row or up_to > 1
+    want = ("panels", (1 if one_row else 2, up_to)) if kept else (None, None)
     return (placement["weight_copy"], placement["panel_rows"]) == want
 
 
