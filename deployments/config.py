@@ -50,7 +50,7 @@ class AppArgs(BaseModel):
         "makes a second copy of the weights (64-column panels with raygen's AVX-512 "
         "kernels, else K x N for MKL), times it against oneDNN at start-up and keeps it "
         "for the steps it makes faster (one row: by 10%; panels, 2-64 rows: no slower at "
-        "32 rows, 65-256: at most 10% slower at 160); onednn keeps one copy")
+        "32 rows, 65-256: at most 20% slower at 160); onednn keeps one copy")
     reserved_cpus: int | None = Field(
         None, ge=0, description="cores per node the shards leave to the serving plane "
         "(ingress, batcher, Ray); the shards split the others, each rank pinned to its "

@@ -96,10 +96,11 @@ def one_row_copy_pays(onednn_s: float, copy_s: float) -> bool:
 # - At 32 rows alone the panels won by 14-20% on this Xeon, and beside the serving plane
 #   by more (benchmarks/NOTES.md 46-47).
 # - At 160 rows (a prefill-heavy step: a decode batch and a 128-token prompt) they tie
-#   oneDNN alone (0.91-1.04x), and win in the server, where the serving plane preempts a
-#   thread: +8% output tok/s at 32 in both workloads (NOTES 48). A tenth's margin keeps
-#   them where they tie and drops them on a CPU where they lose.
-PANEL_TIMINGS = ((32, 64, 1.0), (160, PANEL_MAX_ROWS, 1.1))
+#   oneDNN alone (0.91-1.04x in-process; 0.96-1.13x timed at start-up, beside the rest
+#   of the app starting), and win in the server, where the serving plane preempts a
+#   thread: +8% output tok/s at 32 in both workloads (NOTES 48). A fifth's margin keeps
+#   them where they tie, noise included, and drops them on a CPU where they lose.
+PANEL_TIMINGS = ((32, 64, 1.0), (160, PANEL_MAX_ROWS, 1.2))
 
 
 def panels_pay(rows: int, onednn_s: float, panels_s: float) -> bool:
