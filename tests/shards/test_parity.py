@@ -301,7 +301,7 @@ def test_panel_products_match_transformers(arch, threads, one_row, up_to, llama_
                for m in linears)
     got, mm_calls, calls = run_counting(llm, parity_prompts, panel_kernel)
     assert not mm_calls and calls and rows[0] <= min(calls) and max(calls) <= rows[1]
-    # The largest panel product lies in the top half of the range its timing admits.
+    # Steps above the range that the timing before admits (32 rows, 64) took the panels.
     assert (1 in calls) == one_row and max(calls) > {1: 0, 64: 32, 256: 64}[up_to]
     assert got == references(model_dir, parity_prompts, PARITY_NEW_TOKENS)
 
