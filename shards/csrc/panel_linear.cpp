@@ -77,8 +77,8 @@ void row_block(const float* x, int64_t ldx, int64_t k0, int64_t k1, const float*
   const float* w = panel + k0 * kPanel;
   int64_t k = k0;
   for (const char* line = reinterpret_cast<const char*>(next); k < k0 + next_rows;
-       ++k, w += kPanel, line += 4 * 64) {
-    for (int j = 0; j < 4; ++j) _mm_prefetch(line + 64 * j, _MM_HINT_T1);
+       ++k, w += kPanel, line += kPanel * sizeof(float)) {
+    for (int j = 0; j < 4; ++j) _mm_prefetch(line + 64 * j, _MM_HINT_T1);  // its 4 cache lines
     fma_step<MR>(acc, x, ldx, k, w);
   }
 #pragma GCC unroll 2
