@@ -330,13 +330,15 @@ class ParallelLMHead(VocabParallelEmbedding, _Matmul):
 
 
 def use_cpu_kernels(model: nn.Module, kernels: Any) -> int:
-    """Run the model's RMSNorms and rotary embeddings through raygen's CPU kernels
-    (float32 on CPU; shards/csrc/layer_ops.cpp). Per call, eager torch took 16-27 us for a
-    norm of 1-32 rows and 36-62 us for a rotation, the kernels 2-7 us; 512 rows 1.2 ms and
-    2.2 ms against 0.1 ms each (benchmarks/NOTES.md 44). Returns the modules switched."""
+    """Run the model's RMSNorms, rotary embeddings and MLP activations (silu(gate) * up)
+    through raygen's CPU kernels (float32 on CPU; shards/csrc/layer_ops.cpp). Per call,
+    eager torch took 16-27 us for a norm of 1-32 rows and 36-62 us for a rotation, the
+    kernels 2-7 us; 512 rows 1.2 ms and 2.2 ms against 0.1 ms each (benchmarks/NOTES.md
+    44); the activation, NOTES 50. Every module whose class declares a `kernels` slot
+    takes them. Returns the modules switched."""
     switched = 0
     for module in model.modules():
-        if isinstance(module, (RMSNorm, RotaryEmbedding)):
+        if hasattr(type(module), "kernels"):
             module.kernels = kernels
             switched += 1
     return switched

@@ -5,6 +5,8 @@ gate/up are merged into one matmul each; the loader maps checkpoint names onto t
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,6 +51,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    kernels: Any = None  # raygen's CPU kernels (shards/layers.py use_cpu_kernels)
+
     def __init__(self, config: ModelConfig, tp: TPContext, dtype: torch.dtype):
         super().__init__()
         size = config.intermediate_size
@@ -56,7 +60,10 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(size, config.hidden_size, False, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

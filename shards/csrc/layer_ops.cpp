@@ -4,9 +4,17 @@
 // the order of operations allows, the same rounding as shards/layers.py's torch path.
 #include "ops.h"
 
+#include "bounds.h"
+
 #include <ATen/Parallel.h>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace {
 
@@ -115,8 +123,7 @@ std::vector<at::Tensor> rotary_qk(at::Tensor qkv, at::Tensor positions,
   auto k = at::empty({tokens, num_kv_heads, head_dim}, qkv.options());
   if (tokens == 0) return {q, k};
   // Table reads go through these: check them once rather than per token.
-  TORCH_CHECK(positions.min().item<int64_t>() >= 0 &&
-                  positions.max().item<int64_t>() < cos.size(0),
+  TORCH_CHECK(all_within<int64_t>(positions, 0, cos.size(0)),
               "rotary_qk: a position is outside the rotary table");
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float* src = qkv.data_ptr<float>();
@@ -135,4 +142,100 @@ std::vector<at::Tensor> rotary_qk(at::Tensor qkv, at::Tensor positions,
     }
   });
   return {q, k};
+}
+
+// silu(gate) * up for a gate_up row [gate | up] (the MLP's fused projection): one pass
+// and one output, in place of chunk, silu and mul (three dispatches, an intermediate, and
+// torch's thread team twice). silu(g) = g / (1 + exp(-g)) with the same operations as
+// torch's; the exponential is a polynomial here (below), within a few ulp of torch's.
+namespace {
+
+#if defined(__AVX512F__)
+// exp(x): x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes' expf polynomial, times 2^n.
+// Inputs are clamped to [-87, 88], where e^x and 2^n stay normal floats; above 88 it is
+// inf (as e^x rounds to in float from 88.73), so silu(-1000) is -0 and silu(-inf) NaN,
+// as torch's; a NaN passes.
+inline __m512 exp_ps(__m512 x) {
+  const __mmask16 overflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.f), _CMP_GT_OQ);
+  x = _mm512_max_ps(_mm512_set1_ps(-87.f), _mm512_min_ps(_mm512_set1_ps(88.f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_mask_mov_ps(_mm512_scalef_ps(p, n), overflow,
+                            _mm512_set1_ps(std::numeric_limits<float>::infinity()));
+}
+
+void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                    : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 g = _mm512_maskz_loadu_ps(m, gate + i);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, e));
+    _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, up + i)));
+  }
+}
+#else
+void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
+}
+#endif
+
+}  // namespace
+
+at::Tensor silu_mul(at::Tensor gate_up) {
+  check_rows(gate_up, "silu_mul");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: [gate | up] rows of even width");
+  gate_up = gate_up.contiguous();
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto out = at::empty({rows, n}, gate_up.options());
+  const float* src = gate_up.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r)
+      silu_mul_row(src + r * 2 * n, src + r * 2 * n + n, dst + r * n, n);
+  });
+  return out;
+}
+
+// k_cache[slot] = k[t] and v_cache[slot] = v[t] for slot = slots[t]: the new tokens' keys
+// and values into the paged cache, one copy per token for both, in place of two
+// index_copy_ calls (each a dispatch, a TensorIterator and a thread team).
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+              at::Tensor slots) {
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
+                  k.device().is_cpu() && k_cache.device().is_cpu(),
+              "write_kv: float32 CPU tensors");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.numel() % (k.size(1) * k.size(2)) == 0,
+              "write_kv: k, v [T, KVH, D] and contiguous caches of [KVH, D] rows");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 &&
+                  slots.size(0) == k.size(0),
+              "write_kv: one int64 slot per token");
+  const int64_t tokens = k.size(0), width = k.size(1) * k.size(2);
+  const int64_t num_slots = k_cache.numel() / width;
+  slots = slots.contiguous();
+  TORCH_CHECK(all_within<int64_t>(slots, 0, num_slots), "write_kv: a slot is outside the cache");
+  k = k.contiguous();
+  v = v.contiguous();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::copy_n(kp + t * width, width, kc + slot[t] * width);
+    std::copy_n(vp + t * width, width, vc + slot[t] * width);
+  }
 }

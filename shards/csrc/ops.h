@@ -17,6 +17,9 @@ std::vector<at::Tensor> add_rms_norm(at::Tensor x, std::optional<at::Tensor> res
 std::vector<at::Tensor> rotary_qk(at::Tensor qkv, at::Tensor positions,
                                   at::Tensor cos, at::Tensor sin, int64_t num_heads,
                                   int64_t num_kv_heads, int64_t head_dim);
+at::Tensor silu_mul(at::Tensor gate_up);
+void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
+              at::Tensor slots);
 
 // x W^T on W cut into 64-column panels that threads claim one at a time (panel_linear.cpp).
 bool panels_supported();

@@ -7,6 +7,7 @@
 // thing with a gather and SDPA; this replaces only its decode part.
 #include "ops.h"
 
+#include "bounds.h"
 #include "claim.h"
 
 #include <ATen/Parallel.h>
@@ -136,13 +137,11 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
   if (batch == 0) return out;
   const int64_t max_blocks = block_tables.size(1);
   // Reads go through these: check them once rather than trust them per token.
-  TORCH_CHECK(seq_lens.min().item<int64_t>() > 0 &&
-                  seq_lens.max().item<int64_t>() <= max_blocks * block_size,
-              "paged_decode: a sequence length is outside its block table");
-  TORCH_CHECK(block_tables.min().item<int64_t>() >= 0 &&
-                  block_tables.max().item<int64_t>() < k_cache.size(0),
-              "paged_decode: a block id is outside the cache");
   AT_DISPATCH_INDEX_TYPES(block_tables.scalar_type(), "paged_decode", [&] {
+    TORCH_CHECK(all_within<index_t>(seq_lens, 1, max_blocks * block_size + 1),
+                "paged_decode: a sequence length is outside its block table");
+    TORCH_CHECK(all_within<index_t>(block_tables, 0, k_cache.size(0)),
+                "paged_decode: a block id is outside the cache");
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
              block_tables.data_ptr<index_t>(), seq_lens.data_ptr<index_t>(),

@@ -10,7 +10,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shards.attention import AttentionMetadata, PrefillSeq, TorchAttentionBackend, select_backend
+from shards.attention import (
+    AttentionMetadata,
+    CpuPagedAttentionBackend,
+    PrefillSeq,
+    TorchAttentionBackend,
+    select_backend,
+    write_kv,
+)
 
 
 def dense_reference(q, k, v, scale):
@@ -166,7 +173,6 @@ def test_cpu_kernel_refuses_tables_it_would_read_past(cpu_kernel):
 def test_cpu_backend_mixed_batch_matches_dense(cpu_kernel):
     """The whole backend (decode through the kernel, prefill chunks through torch) on the
     mixed batch of the torch backend's test."""
-    from shards.attention import CpuPagedAttentionBackend
 
     check_mixed_batch(CpuPagedAttentionBackend(cpu_kernel))
 
@@ -284,22 +290,70 @@ def test_rotary_kernel_is_bit_exact(cpu_kernel, heads, kv_heads, head_dim):
             rotary.split_rotate(positions, qkv, heads + 1, kv_heads, head_dim)
 
 
+@pytest.mark.parametrize("rows,width", [(1, 2304), (5, 17), (40, 96), (600, 64)])
+def test_activation_kernel_is_silu_times_up_within_a_few_ulp(cpu_kernel, rows, width):
+    """silu(gate) * up in one pass, against torch's two ops: its exponential is a
+    polynomial of its own, so within a few ulp, not bit for bit; and where torch's overflows
+    (silu of a large negative number is -0, of -inf NaN) so does it."""
+    torch.manual_seed(rows)
+    gate_up = torch.randn(rows, 2 * width) * 6
+    want = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    got = cpu_kernel.silu_mul(gate_up)
+    assert got.shape == (rows, width)
+    ulps = (got.view(torch.int32).long() - want.view(torch.int32).long()).abs()
+    assert ulps.max() <= 8, ulps.max()
+    edges = torch.tensor([-1000.0, -100.0, -87.5, 0.0, 1e-30, 100.0, float("inf"),
+                          float("-inf"), float("nan"), 3.0])
+    got = cpu_kernel.silu_mul(torch.cat([edges, torch.full_like(edges, 2.0)])[None])[0]
+    want = F.silu(edges) * 2.0
+    assert torch.equal(got.isnan(), want.isnan())
+    torch.testing.assert_close(got[~want.isnan()], want[~want.isnan()], rtol=1e-6, atol=1e-30)
+    with pytest.raises(RuntimeError, match="even width"):
+        cpu_kernel.silu_mul(torch.randn(2, 7))
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_kernel.silu_mul(gate_up.double())
+
+
+def test_kv_write_kernel_equals_index_copy(cpu_kernel):
+    """The new tokens' keys and values land in the same slots, bit for bit, as the torch
+    path's index_copy_; a slot past the cache is refused, not written."""
+
+    torch.manual_seed(0)
+    want_k, want_v = torch.randn(6, 16, 4, 32), torch.randn(6, 16, 4, 32)
+    got_k, got_v = want_k.clone(), want_v.clone()
+    k, v = torch.randn(9, 4, 32), torch.randn(9, 4, 32)
+    slots = torch.randperm(96)[:9]
+    write_kv(k, v, want_k, want_v, slots)
+    cpu_kernel.write_kv(k, v, got_k, got_v, slots)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    for bad in (torch.tensor([96]), torch.tensor([-1])):
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            cpu_kernel.write_kv(k[:1], v[:1], got_k, got_v, bad)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    with pytest.raises(RuntimeError, match="one int64 slot per token"):
+        cpu_kernel.write_kv(k, v, got_k, got_v, slots[:3])
+
+
 def test_runner_uses_the_layer_kernels_with_the_cpu_backend_only(cpu_kernel, llama_dir):
-    """The CPU attention backend brings the norm and rotary kernels; the torch backend
-    stays pure torch (the reference the kernels are checked against)."""
+    """The CPU attention backend brings the norm, rotary, activation and KV-write kernels;
+    the torch backend stays pure torch (the reference the kernels are checked against)."""
     from shards.layers import RMSNorm, RotaryEmbedding
+    from shards.model import MLP
     from shards.model_runner import ModelRunner, ShardConfig
 
     def kernels(backend):
         runner = ModelRunner(ShardConfig(model=llama_dir, device="cpu",
                                          attention_backend=backend))
-        return [m.kernels for m in runner.model.modules()
-                if isinstance(m, (RMSNorm, RotaryEmbedding))]
+        layers = [m.kernels for m in runner.model.modules()
+                  if isinstance(m, (RMSNorm, RotaryEmbedding, MLP))]
+        return layers, runner.backend.write_kv
 
-    on, off = kernels("cpu"), kernels("torch")
-    assert len(on) == len(off) > 2
+    (on, on_write), (off, off_write) = kernels("cpu"), kernels("torch")
+    assert len(on) == len(off) > 3
     assert all(k is cpu_kernel for k in on)
     assert all(k is None for k in off)
+    assert on_write.__func__ is CpuPagedAttentionBackend.write_kv
+    assert off_write is write_kv
 
 
 def test_auto_backend_on_cpu(cpu_kernel):
