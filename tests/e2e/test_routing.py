@@ -42,7 +42,7 @@ def sessions(server, llama_dir):
 
 
 def poll_metrics(url: str, timeout: float = 30, until=None) -> str:
-    """Replicas push their metrics every 0.5 s: wait until both batchers are listed (and
+    """Replicas push their metrics every PUSH_PERIOD_S (2 s): wait until both batchers are listed (and
     `until(text)` holds)."""
     deadline = time.monotonic() + timeout
     while True:

@@ -181,7 +181,7 @@ def test_disconnected_streams_free_their_blocks(server, offline):
     assert seen == [3] * 16
     bystander_ids = [t["id"] for t in bystander.json()["details"]["tokens"]]
     assert bystander_ids == greedy(offline, PROMPTS[2], 40)
-    # The batcher pushes its metrics to the hub behind /metrics every 0.5 s, so a read can
+    # The batcher pushes its metrics to the hub behind /metrics every 2 s, so a read can
     # be a push behind: wait for the pair (blocks freed, aborts counted) to arrive together.
     deadline = time.monotonic() + 30
     while True:
