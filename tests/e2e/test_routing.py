@@ -42,8 +42,8 @@ def sessions(server, llama_dir):
 
 
 def poll_metrics(url: str, timeout: float = 30, until=None) -> str:
-    """Replicas push their metrics every PUSH_PERIOD_S (2 s): wait until both batchers are listed (and
-    `until(text)` holds)."""
+    """Replicas push their metrics every PUSH_PERIOD_S (2 s): wait until both batchers are
+    listed (and `until(text)` holds)."""
     deadline = time.monotonic() + timeout
     while True:
         text = httpx.get(url, timeout=10).text
