@@ -80,3 +80,10 @@ def test_a_call_whose_predecessor_never_comes_fails_instead_of_hanging(actor, mo
     with pytest.raises(RuntimeError, match="step call 1 waited 0.2 s for call 0"):
         actor.step_in_order("second", 1)
     assert actor.runner.seen == []
+
+
+def test_step_calls_send_no_task_events_and_stay_in_their_concurrency_group():
+    # A call per token: task events would cost the batcher and the GCS CPU on every step
+    # (benchmarks/NOTES.md 51), and the two step threads keep a step queued behind a running one.
+    assert ShardActor.step_in_order.__ray_enable_task_events__ is False
+    assert ShardActor.step_in_order.__ray_concurrency_group__ == actor_module.STEP_CALLS
