@@ -45,12 +45,16 @@ BatcherDeployment = serve.deployment(
 # the replicas' runtime_env, a plain `serve run deployments.app:build_app` gets them beside
 # Serve's proxy actor: with the core plan on 2 cores, +11% to +14% output tok/s at
 # concurrency 1 and about even at 32 (benchmarks/NOTES.md 35; entry 14, before the plan,
-# measured nothing).
+# measured nothing). Not part of the mode but read the same way: each replica, and each
+# handle's router in it, hands Serve's own cached metrics to Ray every second instead of
+# every 0.1 s. Ray exports them every 10 s anyway; idle, the wake-ups were 13-20% of each
+# replica's CPU, about 2 ms a second (benchmarks/NOTES.md 51).
 REPLICA_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
     "RAY_SERVE_REQUEST_PATH_LOG_BUFFER_SIZE": "1000",
     "RAY_SERVE_FREEZE_GC_ON_STARTUP": "1",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000",
 }
 
 
@@ -124,7 +128,8 @@ def build_app(args: AppArgs) -> Application:
     if not isinstance(args, AppArgs):
         args = AppArgs.model_validate(args)
     start_ray_in_throughput_mode(args)
-    hub = MetricsHub.bind()  # one /metrics for every replica (deployments/metrics_hub.py)
+    # One /metrics for every replica (deployments/metrics_hub.py); its calls are all async.
+    hub = MetricsHub.options(ray_actor_options=replica_actor_options(args, 0)).bind()
     batcher = BatcherDeployment.options(
         ray_actor_options=replica_actor_options(
             args, max(args.replica_cpus, 0.01) if args.replica_cpus else 0),

@@ -77,9 +77,10 @@ class AppArgs(BaseModel):
         "step with all its requests' outputs, instead of one per request per step "
         "(deployments/channels.py)")
     replica_fast_path: bool = Field(
-        True, description="the ingress and batcher replicas run with Serve throughput "
-        "mode's in-process settings (user code on the replica's main loop, and three "
-        "more; deployments/app.py), also under Serve's defaults; a variable set in the "
+        True, description="the ingress, batcher and metrics replicas run with Serve "
+        "throughput mode's in-process settings (user code on the replica's main loop, and "
+        "three more) and Serve's metrics handed to Ray every 1 s, not 0.1 s "
+        "(deployments/app.py), also under Serve's defaults; a variable set in the "
         "environment wins")
     serve_throughput_mode: bool = Field(
         True, description="`serve run deployments.app:build_app ...` (an import path, not a "

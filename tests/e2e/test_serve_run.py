@@ -57,13 +57,13 @@ def test_both_ways_serve_through_haproxy(server):
 
 
 def test_replicas_get_throughput_modes_in_process_settings_in_both_modes(server):
-    """Throughput mode's in-process settings reach the ingress and batcher replicas (the
-    builder also sets them in their runtime_env, for Serve's proxy actor): the variables
-    that Serve's constants read at import are in each replica process's environment, and
-    the mode itself from the Ray instance that `serve run` started."""
+    """Throughput mode's in-process settings reach the ingress, batcher and metrics
+    replicas (the builder also sets them in their runtime_env, for Serve's proxy actor):
+    the variables that Serve's constants read at import are in each replica process's
+    environment, and the mode itself from the Ray instance that `serve run` started."""
     from deployments.app import REPLICA_ENV, THROUGHPUT_MODE_ENV
 
-    for deployment in ("Ingress", "Batcher"):
+    for deployment in ("Ingress", "Batcher", "Metrics"):
         environ = replica_environ(deployment)
         assert {k: environ.get(k) for k in REPLICA_ENV} == REPLICA_ENV, deployment
     if server.mode == "import-path":
