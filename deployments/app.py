@@ -47,8 +47,8 @@ BatcherDeployment = serve.deployment(
 # concurrency 1 and about even at 32 (benchmarks/NOTES.md 35; entry 14, before the plan,
 # measured nothing). Not part of the mode but read the same way: each replica, and each
 # handle's router in it, hands Serve's own cached metrics to Ray every second instead of
-# every 0.1 s. Ray exports them every 10 s anyway; idle, the wake-ups were 13-20% of each
-# replica's CPU, about 2 ms a second (benchmarks/NOTES.md 51).
+# every 0.1 s. Ray exports them every 10 s anyway; idle, the wake-ups were 8-20% of each
+# replica's CPU, 1-3 ms a second (benchmarks/NOTES.md 51).
 REPLICA_ENV = {
     "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",

@@ -191,8 +191,8 @@ class ShardActor:
             return None
         return self._on_torch_thread(self._step, step_input)
 
-    # Steps record no task events: one call per token would otherwise send three state
-    # events each to the GCS (and fill the dashboard's task table with steps).
+    # Steps record no task events: one call per token would otherwise report its state
+    # changes to the GCS (and fill the dashboard's task table with steps).
     @ray.method(concurrency_group=STEP_CALLS, enable_task_events=False)
     def step_in_order(self, step_input: StepInput, call: int) -> StepOutput | None:
         """The group's `call`-th step (from 0), by actor call. Two such calls can be here at
