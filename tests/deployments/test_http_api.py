@@ -12,6 +12,8 @@ import pytest
 import ray
 from ray import serve
 
+from benchmarks.serving_floor import build_app as floor_app
+from benchmarks.serving_floor import main as floor_benchmark
 from deployments.app import build_app
 from deployments.config import AppArgs
 
@@ -31,6 +33,8 @@ def app(llama_dir):
         serve.RunTarget(build_app(AppArgs(model=llama_dir, api_key=KEY,
                                           max_concurrent_requests=1, num_blocks=256)),
                         name="locked", route_prefix="/locked"),
+        # benchmarks.serving_floor: the same process shape with a shard that only sleeps.
+        serve.RunTarget(floor_app({"step_ms": 1}), name="floor", route_prefix="/floor"),
     ])
     yield
     serve.shutdown()
@@ -324,6 +328,24 @@ def test_api_key_never_reaches_the_logs(app):
     logs = Path(_global_node.get_session_dir_path()) / "logs"
     leaked = [p.name for p in logs.rglob("*") if p.is_file() and KEY.encode() in p.read_bytes()]
     assert leaked == []
+
+
+def test_serving_floor_streams_every_token_and_counts_its_processes_cpu(app):
+    """The model-free floor (benchmarks/NOTES.md 52) under its own load command: every
+    token asked for arrives as its own SSE event, and the CPU per token it reports comes
+    from the floor's replicas and its sleeping shard actor."""
+    result = floor_benchmark(["load", "--url", BASE + "/floor", "--num-prompts", "20",
+                              "--input-len", "8", "--output-len", "16"])
+    assert (result["completed"], result["failed"]) == (20, 0)
+    assert result["total_output_tokens"] == 20 * 16
+    assert result["total_input_tokens"] == 20 * 8
+    assert result["median_itl_ms"] >= 1.0  # each token waited for its 1 ms step
+    names = [name for _, name in result["processes"]]
+    assert any("ServeReplica:floor:Batcher" in n for n in names), names
+    assert any("SleepShard" in n for n in names), names
+    assert result["cpu_ms_per_token"] >= sum(ms for ms, _ in result["processes"])
+    with pytest.raises(ValueError, match="hop must be"):
+        floor_app({"hop": "graph"})
 
 
 def test_dead_shard_gives_424_then_unhealthy(app):
