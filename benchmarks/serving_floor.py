@@ -83,8 +83,8 @@ class Ingress:
             count = 0
             async for token in self.batcher.generate.remote(max_tokens):
                 count += 1
-                yield "data: " + json.dumps({"choices": [{"index": 0, "text": f" t{token}"}]})
-                yield "\n\n"
+                event = {"choices": [{"index": 0, "text": f" t{token}"}]}
+                yield f"data: {json.dumps(event)}\n\n"  # one body message an event
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": count}
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
 
