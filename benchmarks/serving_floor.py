@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
     summary = asyncio.run(load.run(load.parse_args([*common, "--num-prompts",
                                                     str(args.num_prompts)])))
     tokens = summary["total_output_tokens"]
+    if summary["failed"] or not tokens or summary["median_itl_ms"] is None:
+        raise SystemExit(f"the load did not stream tokens from {args.url}: {summary['errors']}")
     total, rows = cpu_between(before, cpu_snapshot(), tokens / 1000, 0.05)
     print(f"{summary['output_throughput']:.1f} tok/s, ITL p50 {summary['median_itl_ms']:.1f} ms, "
           f"{total:.2f} ms of CPU per output token ({tokens} tokens)")
