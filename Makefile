@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install serve serve-fast test lint demo-model bench-offline bench-compare peers clean \
+.PHONY: install serve serve-fast test test-unit lint demo-model bench-offline bench-compare peers clean \
         prometheus
 
 install: $(STAMP)
@@ -47,8 +47,13 @@ prometheus:
 	   --no-install-recommends prometheus) >/dev/null 2>&1; } || \
 	  echo "prometheus not installed: tests/deployments/test_prometheus.py will be skipped"
 
+# Every tier, the unit tier first (tests/conftest.py); the README's and CI's command.
 test: install lint prometheus
 	$(PY) -m pytest -q -x --durations=15
+
+# The inner loop: no Ray, no `serve run` (engine, model and kernels against transformers).
+test-unit: install
+	$(PY) -m pytest -q -x -m unit
 
 bench-offline: install
 	$(PY) -m benchmarks.offline

@@ -12,14 +12,57 @@ import torch  # noqa: E402
 
 from shards.demo_model import write_demo_model  # noqa: E402
 
+# The tiers (README: Tests). A test is `unit` unless its folder or its module says otherwise:
+# tests/e2e is `e2e` (`serve run` and the official clients); a module that starts Ray in
+# the test process declares `pytestmark = pytest.mark.integration`. `make test-unit` runs
+# the unit tier alone, `make test` every tier, the unit tier first.
+TIERS = ("unit", "integration", "e2e")
+FOLDER_TIERS = {"e2e": "e2e"}
+
+
+def tier_of(item) -> str:
+    for tier in TIERS[1:]:
+        if item.get_closest_marker(tier) is not None:
+            return tier
+    folder = item.path.parent.name
+    return FOLDER_TIERS.get(folder, "unit")
+
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        tier = tier_of(item)
+        if item.get_closest_marker(tier) is None:
+            item.add_marker(getattr(pytest.mark, tier))
+    # Cheap tiers first: a broken unit fails the run in seconds, not after the clusters.
+    items.sort(key=lambda item: TIERS.index(tier_of(item)))
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+_unit_running = False
+
+
+def pytest_runtest_setup(item):
+    global _unit_running
+    _unit_running = tier_of(item) == "unit"
+
+
+def pytest_configure(config):
+    """A unit test that starts Ray is in the wrong tier: say so instead of starting it."""
+    import ray
+
+    init = ray.init
+
+    def guarded_init(*args, **kwargs):
+        if _unit_running:
+            raise RuntimeError("a unit-tier test started Ray: mark its module "
+                               "`pytestmark = pytest.mark.integration` (tests/conftest.py)")
+        return init(*args, **kwargs)
+
+    ray.init = guarded_init
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,8 @@ from deployments.app import BatcherDeployment
 from deployments.config import AppArgs
 from deployments.ingress import Ingress
 
+pytestmark = pytest.mark.integration  # Ray in the test process
+
 PORT = 8127
 BASE = f"http://127.0.0.1:{PORT}"
 

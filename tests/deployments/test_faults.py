@@ -20,6 +20,8 @@ from deployments.ingress import HEALTH_TIMEOUT_S
 from engine.sampling_params import SamplingParams
 from shards.offline import LLM
 
+pytestmark = pytest.mark.integration  # Ray in the test process
+
 PORT = 8124
 BASE = f"http://127.0.0.1:{PORT}"
 

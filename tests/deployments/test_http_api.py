@@ -17,6 +17,8 @@ from benchmarks.serving_floor import main as floor_benchmark
 from deployments.app import build_app
 from deployments.config import AppArgs
 
+pytestmark = pytest.mark.integration  # Ray in the test process
+
 PORT = 8123
 BASE = f"http://127.0.0.1:{PORT}"
 KEY = "sekret-key"

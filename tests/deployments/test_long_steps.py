@@ -17,6 +17,8 @@ from deployments.app import build_app
 from deployments.config import AppArgs
 from tests.reference import hf_greedy
 
+pytestmark = pytest.mark.integration  # Ray in the test process
+
 PORT = 8126
 BASE = f"http://127.0.0.1:{PORT}"
 # Longer than the old deadlines: the watchdog interval (1 s), the shard health-check call

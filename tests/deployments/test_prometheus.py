@@ -20,8 +20,9 @@ from deployments.app import build_app
 from deployments.config import AppArgs
 
 PORT = 8126
-pytestmark = pytest.mark.skipif(shutil.which("prometheus") is None,
-                                reason="prometheus not installed (make test installs it)")
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(shutil.which("prometheus") is None,
+                                 reason="prometheus not installed (make test installs it)")]
 
 
 # Ray's fixed default ports (GCS, dashboard, Ray client, the dashboard agent's HTTP port):

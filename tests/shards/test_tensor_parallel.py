@@ -25,6 +25,8 @@ from shards.model_runner import ShardConfig
 from tests.reference import PARITY_LENGTHS, PARITY_NEW_TOKENS, hf_greedy, make_prompts
 from tests.shards.test_parity import run_staggered
 
+pytestmark = pytest.mark.integration  # Ray in the test process
+
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
