@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
     block_size: int = 16
-    # None until the shards have measured memory at warmup (see shards.worker).
+    # None until the shards have measured memory at warmup (ShardGroup.warmup).
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
 
