@@ -157,10 +157,13 @@ def test_ranks_land_in_bundles_after_the_replicas_and_fall_back_to_cpu(llama_dir
 def _actor_state(actor_id: str):
     from ray.util.state import get_actor
 
+    # This cluster's address, not autodetection: another Ray instance on the machine (a
+    # `serve run` beside the suite) makes that fail with "multiple active Ray instances".
+    address = ray.get_runtime_context().gcs_address
     deadline = time.monotonic() + 30
     while True:  # the state API may lag behind actor creation
         try:
-            state = get_actor(actor_id)
+            state = get_actor(actor_id, address=address)
             if state is not None:
                 return state
         except Exception:
