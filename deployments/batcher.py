@@ -17,7 +17,6 @@ import time
 from collections.abc import AsyncIterator
 
 from ray import serve
-from transformers import AutoTokenizer
 
 from deployments.config import DEMO_MODEL, AppArgs, token_limits
 from deployments.metrics import BATCHER, Metrics
@@ -29,6 +28,7 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.request import FinishReason
 from shards import logs
+from shards.checkpoint import load_tokenizer
 from shards.demo_model import ensure_demo_model
 from shards.group import ShardGroup
 from shards.model_config import ModelConfig
@@ -84,7 +84,7 @@ class Batcher:
         _, max_total_tokens = token_limits(args, model_config.max_position_embeddings)
         self.engine = LLMEngine(args.scheduler_config(max_total_tokens),
                                 args.cache_config(num_blocks),
-                                AutoTokenizer.from_pretrained(args.model),
+                                load_tokenizer(args.model),
                                 model_config.eos_token_ids, self.group)
         self.metrics = Metrics(BATCHER)
         self._counted = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "aborted": 0}

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import CacheConfig, SchedulerConfig
-from shards.model_runner import ShardConfig
+from shards.shard_config import ShardConfig
 
 DEMO_MODEL = "models/demo-tiny"
 
@@ -41,12 +41,9 @@ class AppArgs(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     attention_backend: Literal["auto", "torch", "flash", "cpu"] = "auto"
     cpu_threads: int | None = Field(None, ge=1)
-    torch_compile: bool = Field(
-        False, description="CPU, tensor_parallel_size 1: torch.compile the layers' dense "
-        "parts at start-up (shards/compiled.py)")
     cpu_matmul: Literal["auto", "onednn", "torch"] = Field(
         "auto", description="who multiplies by the weights on CPU: oneDNN on weights "
-        "reordered at start-up (auto, unless torch_compile) or torch (MKL). auto also "
+        "reordered at start-up (auto) or torch (MKL). auto also "
         "makes a second copy of the weights (64-column panels with raygen's AVX-512 "
         "kernels, else K x N for MKL), times it against oneDNN at start-up and keeps it "
         "for the steps it makes faster (one row: by 10%; panels, 2-64 rows: no slower at "
@@ -179,7 +176,6 @@ class AppArgs(BaseModel):
             gpu_memory_utilization=self.gpu_memory_utilization,
             attention_backend=self.attention_backend, cpu_threads=self.cpu_threads,
             **self.core_plan(),
-            torch_compile=self.torch_compile,
             cpu_matmul=self.cpu_matmul,
             debug_prefill_delay_s=self.debug_prefill_delay_s)
 

@@ -12,7 +12,6 @@ import asyncio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
-from transformers import AutoTokenizer
 
 from deployments import openai_schema, tgi
 from deployments.admission import Admission
@@ -24,6 +23,7 @@ from deployments.metrics_hub import Pusher, collect, render, replica_source
 from deployments.openai_api import OpenAIApi
 from deployments.routing import router_families
 from deployments.tgi_api import TGIApi
+from shards.checkpoint import load_tokenizer
 from shards.demo_model import ensure_demo_model
 from shards.model_config import ModelConfig
 
@@ -68,7 +68,7 @@ class Ingress:
         if args.model == DEMO_MODEL:
             ensure_demo_model(args.model)
         self.batcher = batcher
-        tokenizer = AutoTokenizer.from_pretrained(args.model)
+        tokenizer = load_tokenizer(args.model)
         model_config = ModelConfig.from_pretrained(args.model)
         self.limits = server_limits(args, model_config.max_position_embeddings)
         grammars = GrammarChecker(args.model, model_config.vocab_size,

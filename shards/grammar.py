@@ -108,9 +108,10 @@ def load_tokenizer(model_dir: str, vocab_size: int):
     """llguidance's view of the model's tokenizer, over the logits' width (~1 s for a
     large vocabulary: built once, on a thread)."""
     import llguidance.hf
-    from transformers import AutoTokenizer
 
-    return llguidance.hf.from_tokenizer(AutoTokenizer.from_pretrained(model_dir),
+    from shards import checkpoint
+
+    return llguidance.hf.from_tokenizer(checkpoint.load_tokenizer(model_dir),
                                         n_vocab=vocab_size)
 
 

@@ -11,6 +11,10 @@ from typing import Any
 from safetensors import safe_open
 from torch import nn
 
+from shards.checkpoint import gguf_file
+from shards.checkpoint import model_dir as resolve_model_dir
+from shards.gguf_weights import iter_gguf
+
 # checkpoint name part -> (merged module part, index within the merged parameter)
 _MERGED = {
     "q_proj": ("qkv_proj", 0),
@@ -35,13 +39,20 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
 
 def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, Any]]:
     """(name, lazy slice) pairs; a slice reads from disk only when indexed."""
+    if (gguf_path := gguf_file(model_dir)) is not None:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        yield from iter_gguf(gguf_path, config)
+        return
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_slice(name)
 
 
-def load_weights(model: nn.Module, model_dir: str | Path) -> None:
+def load_weights(model: nn.Module, checkpoint: str | Path) -> None:
+    """Every parameter of `model` from the checkpoint `checkpoint` names (a Hugging Face
+    directory, or a GGUF file: shards/checkpoint.py)."""
+    model_dir = resolve_model_dir(str(checkpoint))
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
     loaded: set[str] = set()

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import torch
 
+from shards import checkpoint
+from shards.checkpoint import CheckpointError
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -38,13 +41,18 @@ class ModelConfig:
     bos_token_id: int | None
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
-        model_dir = Path(model_dir)
-        raw = json.loads((model_dir / "config.json").read_text())
+    def from_pretrained(cls, model: str | Path) -> ModelConfig:
+        """The config of the checkpoint `model` names (a Hugging Face directory or a
+        GGUF file: shards/checkpoint.py); CheckpointError where it cannot be served."""
+        model_dir = Path(checkpoint.model_dir(str(model)))
+        try:
+            raw = json.loads((model_dir / "config.json").read_text())
+        except ValueError as exc:
+            raise CheckpointError(f"model={model}: config.json is not valid JSON: {exc}") from exc
         model_type = raw.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"unsupported model_type {model_type!r}; "
-                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+            raise CheckpointError(f"model={model}: model_type {model_type!r} is not "
+                                  f"implemented; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         rope = raw.get("rope_parameters") or {}
         rope_theta = float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_scaling = raw.get("rope_scaling") or (rope if rope.get("rope_type", "default")
@@ -52,7 +60,8 @@ class ModelConfig:
         if rope_scaling is not None:
             rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
             if rope_type not in ("default", "linear", "llama3"):
-                raise ValueError(f"unsupported rope scaling {rope_type!r}")
+                raise CheckpointError(f"model={model}: rope scaling {rope_type!r} is not "
+                                      "implemented")
             rope_scaling = (None if rope_type == "default"
                             else {**rope_scaling, "rope_type": rope_type})
         if raw.get("sliding_window") and raw.get("use_sliding_window", True) and (

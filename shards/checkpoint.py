@@ -1,0 +1,129 @@
+"""What `model=` names, made into a directory every loader reads the same way.
+
+A Hugging Face directory (config.json, tokenizer files, safetensors) is used as it is. A
+GGUF file (or a directory holding exactly one, and no config.json) is served as given:
+its config, tokenizer and chat template are converted once per node by transformers' GGUF
+support into a directory under the cache (`~/.cache/raygen/gguf`, `$RAYGEN_GGUF_CACHE`),
+which links back to the file; the weights stay in the file and each rank dequantizes
+(the `gguf` package) only the rows it keeps, to the serving dtype. Converting the
+tokenizer costs about 10 s here, and an ingress, a batcher and a grammar checker each
+load it, so it is done once rather than at every start.
+
+Anything wrong with the checkpoint raises CheckpointError with one line naming the path
+and the reason; the app builder checks before Ray starts (deployments/app.py)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+GGUF_LINK = "model.gguf"  # in a converted directory: the file its weights are read from
+
+
+class CheckpointError(ValueError):
+    """A model path that cannot be served, said in one line."""
+
+
+def gguf_cache_root() -> Path:
+    return Path(os.environ.get("RAYGEN_GGUF_CACHE", "~/.cache/raygen/gguf")).expanduser()
+
+
+def find_gguf(model: str | Path) -> Path | None:
+    """The GGUF file `model` names (a file, or a directory with exactly one and no
+    config.json); None for a Hugging Face directory. Raises CheckpointError for a path
+    that is neither."""
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"model={model}: no such file or directory")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise CheckpointError(f"model={model}: not a .gguf file; give a GGUF file or a "
+                                  "Hugging Face model directory")
+        return path
+    if (path / "config.json").exists():
+        return None
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if ggufs:
+        names = ", ".join(p.name for p in ggufs)
+        raise CheckpointError(f"model={model}: holds {len(ggufs)} .gguf files ({names}); "
+                              "name one of them")
+    raise CheckpointError(f"model={model}: holds no checkpoint (no config.json and no "
+                          ".gguf file)")
+
+
+@functools.cache
+def model_dir(model: str) -> str:
+    """The directory to read config, tokenizer and weights from: `model` itself, or the
+    converted directory of its GGUF file (made here the first time on this node)."""
+    gguf_path = find_gguf(model)
+    if gguf_path is None:
+        return str(Path(model).expanduser())
+    gguf_path = gguf_path.resolve()
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    out = gguf_cache_root() / f"{gguf_path.stem}-{key[:12]}"
+    if not (out / GGUF_LINK).exists():
+        _convert(gguf_path, out)
+    return str(out)
+
+
+def load_tokenizer(model: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir(model))
+
+
+def gguf_file(directory: str | Path) -> Path | None:
+    """The GGUF file a converted directory reads its weights from, else None."""
+    link = Path(directory) / GGUF_LINK
+    return link if link.exists() else None
+
+
+def _convert(gguf_path: Path, out: Path) -> None:
+    """Config, generation config and tokenizer of a GGUF file, written next to a link to
+    it. Written in a temporary directory and renamed, so that processes converting the
+    same file at once (an ingress and a batcher starting together) never see half of it."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from shards.gguf_weights import check_tensor_types
+
+    check_tensor_types(gguf_path)
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as exc:  # transformers names what it cannot read
+        raise CheckpointError(f"model={gguf_path}: transformers cannot read its config or "
+                              f"tokenizer: {str(exc).splitlines()[0][:300]}") from exc
+    # transformers' converter can name the wrong special tokens (SmolLM2's file says eos 2,
+    # <|im_end|>, and the converted tokenizer said <|im_start|>): the file's ids win, since
+    # grammars end on the tokenizer's EOS and generation stops on the config's.
+    for role in ("bos", "eos"):
+        token_id = getattr(config, f"{role}_token_id", None)
+        if isinstance(token_id, int) and getattr(tokenizer, f"{role}_token_id") != token_id:
+            setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        generation = {k: getattr(config, k) for k in ("bos_token_id", "eos_token_id")
+                      if getattr(config, k, None) is not None}
+        (tmp / "generation_config.json").write_text(json.dumps(generation))
+        (tmp / GGUF_LINK).symlink_to(gguf_path)
+        if out.exists() and not (out / GGUF_LINK).exists():  # left half-made by a crash
+            shutil.rmtree(out, ignore_errors=True)
+        try:
+            tmp.rename(out)
+        except OSError:  # another process finished first: its directory is the same
+            if not (out / GGUF_LINK).exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

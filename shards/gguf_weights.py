@@ -1,0 +1,128 @@
+"""A GGUF file's tensors under Hugging Face's names, read lazily: indexing one returns
+the dequantized rows (or columns) asked for, as `safetensors`' slices do, so the loader
+and the tensor-parallel layers read GGUF and safetensors checkpoints the same way.
+
+llama.cpp's converter stores a Llama's q and k projections with the rows of each head
+interleaved for its rotary kernel; they are put back in Hugging Face's order here, as
+transformers does when it loads a GGUF file. A slice of whole heads (what a rank keeps)
+permutes within itself, so each rank still reads only its rows."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shards.checkpoint import CheckpointError
+
+# GGUF name (llama.cpp's) -> Hugging Face name, for the Llama family (llama, qwen2).
+_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+           "output": "lm_head"}
+_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+          "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_SKIP = {"rope_freqs"}  # llama3's rope factors: computed from the config instead
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def hf_name(name: str) -> str | None:
+    """Hugging Face's name for a GGUF tensor; None for one the model does not load."""
+    if (match := _BLOCK_NAME.match(name)) is not None:
+        layer, part, kind = match.groups()
+        if part not in _BLOCK:
+            raise CheckpointError(f"GGUF tensor {name} is not part of a Llama-family model")
+        return f"model.layers.{layer}.{_BLOCK[part]}.{kind}"
+    base, _, kind = name.rpartition(".")
+    if base in _SKIP:
+        return None
+    if base not in _GLOBAL:
+        raise CheckpointError(f"GGUF tensor {name} is not part of a Llama-family model")
+    return f"{_GLOBAL[base]}.{kind}"
+
+
+def _reader(path: str | Path):
+    import gguf
+
+    try:
+        return gguf.GGUFReader(str(path))
+    except Exception as exc:  # a truncated or foreign file: numpy and struct errors
+        raise CheckpointError(f"model={path}: not a readable GGUF file "
+                              f"({type(exc).__name__}: {str(exc)[:200]})") from exc
+
+
+def check_tensor_types(path: str | Path) -> None:
+    """Every tensor's type can be dequantized by the installed `gguf` package (checked on
+    one block of zeros, without reading the weights), else CheckpointError naming the
+    type and the first tensor that has it."""
+    import gguf
+
+    seen: dict[int, str | None] = {}
+    for tensor in _reader(path).tensors:
+        qtype = tensor.tensor_type
+        if qtype not in seen:
+            block_bytes = gguf.GGML_QUANT_SIZES[qtype][1]
+            try:
+                gguf.quants.dequantize(np.zeros((1, block_bytes), np.uint8), qtype)
+                seen[qtype] = None
+            except NotImplementedError:
+                seen[qtype] = tensor.name
+        if seen[qtype] is not None:
+            raise CheckpointError(f"model={path}: tensor {seen[qtype]} is {qtype.name}, a "
+                                  "type the installed gguf package cannot dequantize")
+
+
+class GGUFSlice:
+    """One tensor, dequantized on indexing: `t[:]`, `t[a:b]` (rows) or `t[:, a:b]`."""
+
+    def __init__(self, tensor, num_heads: int | None):
+        self.tensor = tensor
+        self.num_heads = num_heads  # set for a Llama's q and k: undo llama.cpp's order
+        self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def _rows(self, rows: slice) -> np.ndarray:
+        import gguf
+
+        start, stop, _ = rows.indices(self.shape[0])
+        data = self.tensor.data[start:stop] if len(self.shape) > 1 else self.tensor.data
+        values = gguf.quants.dequantize(data, self.tensor.tensor_type)
+        if len(self.shape) == 1:
+            return values.reshape(-1)[rows]
+        values = values.reshape(stop - start, self.shape[1])
+        if self.num_heads is not None:
+            if (stop - start) * self.num_heads % self.shape[0]:
+                raise ValueError(f"rows {start}:{stop} of {self.tensor.name} split a head")
+            heads = self.num_heads * (stop - start) // self.shape[0]
+            half = (stop - start) // heads // 2
+            values = values.reshape(heads, half, 2, -1).swapaxes(1, 2).reshape(
+                stop - start, self.shape[1])
+        return values
+
+    def __getitem__(self, key) -> torch.Tensor:
+        rows, cols = (key, slice(None)) if not isinstance(key, tuple) else key
+        values = self._rows(rows)
+        if cols != slice(None):
+            values = values[:, cols]
+        return torch.from_numpy(np.array(values, dtype=np.float32))  # owns its memory
+
+
+def iter_gguf(path: str | Path, config: dict) -> Iterator[tuple[str, GGUFSlice]]:
+    """(Hugging Face name, lazy slice) pairs of a GGUF file. `config` is the converted
+    config.json (its head counts undo the q and k order of a Llama)."""
+    reader = _reader(path)
+    permuted = config.get("model_type") in ("llama", "mistral")
+    heads = {"q_proj": config["num_attention_heads"],
+             "k_proj": config.get("num_key_value_heads") or config["num_attention_heads"]}
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        proj = name.split(".")[-2]
+        num_heads = heads.get(proj) if permuted and name.endswith(".weight") else None
+        yield name, GGUFSlice(tensor, num_heads)
