@@ -23,6 +23,9 @@ import tempfile
 from pathlib import Path
 
 GGUF_LINK = "model.gguf"  # in a converted directory: the file its weights are read from
+# Part of the cache key: a directory converted by older code (before the file's own special
+# tokens won, 2) is converted again rather than served with what that code got wrong.
+CONVERSION_VERSION = 2
 
 
 class CheckpointError(ValueError):
@@ -67,7 +70,8 @@ def model_dir(model: str) -> str:
         return str(Path(model).expanduser())
     gguf_path = gguf_path.resolve()
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    identity = f"{CONVERSION_VERSION}:{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = hashlib.sha256(identity.encode()).hexdigest()
     out = gguf_cache_root() / f"{gguf_path.stem}-{key[:12]}"
     if not (out / GGUF_LINK).exists():
         _convert(gguf_path, out)

@@ -1,6 +1,7 @@
 """A GGUF file's tensors under Hugging Face's names, read lazily: indexing one returns
 the dequantized rows (or columns) asked for, as `safetensors`' slices do, so the loader
-and the tensor-parallel layers read GGUF and safetensors checkpoints the same way.
+and the tensor-parallel layers read GGUF and safetensors checkpoints the same way: a rank
+dequantizes its rows, or (row-split layers) only its columns' quantization blocks.
 
 llama.cpp's converter stores a Llama's q and k projections with the rows of each head
 interleaved for its rotary kernel; they are put back in Hugging Face's order here, as
@@ -86,30 +87,42 @@ class GGUFSlice:
     def get_shape(self) -> list[int]:
         return list(self.shape)
 
-    def _rows(self, rows: slice) -> np.ndarray:
+    def _read(self, rows: slice, cols: slice) -> np.ndarray:
+        """Dequantize rows[start:stop] and, where the columns fall on whole quantization
+        blocks (a row-split layer's share always does), only those columns' blocks."""
         import gguf
 
         start, stop, _ = rows.indices(self.shape[0])
-        data = self.tensor.data[start:stop] if len(self.shape) > 1 else self.tensor.data
-        values = gguf.quants.dequantize(data, self.tensor.tensor_type)
         if len(self.shape) == 1:
+            values = gguf.quants.dequantize(self.tensor.data, self.tensor.tensor_type)
             return values.reshape(-1)[rows]
-        values = values.reshape(stop - start, self.shape[1])
+        data = self.tensor.data[start:stop]
+        first, last, _ = cols.indices(self.shape[1])
+        block, block_bytes = gguf.GGML_QUANT_SIZES[self.tensor.tensor_type]
+        width = self.shape[1]
+        if (first, last) != (0, width) and first % block == 0 and (
+                last % block == 0 or last == width):
+            if data.dtype == np.uint8:  # quantized: rows of byte blocks
+                data = data[:, first // block * block_bytes: -(-last // block) * block_bytes]
+            else:  # F32, F16, BF16 arrays hold elements
+                data = data[:, first:last]
+            width, cols = last - first, slice(None)
+        values = gguf.quants.dequantize(data, self.tensor.tensor_type)
+        values = values.reshape(stop - start, width)
         if self.num_heads is not None:
-            if (stop - start) * self.num_heads % self.shape[0]:
-                raise ValueError(f"rows {start}:{stop} of {self.tensor.name} split a head")
-            heads = self.num_heads * (stop - start) // self.shape[0]
-            half = (stop - start) // heads // 2
-            values = values.reshape(heads, half, 2, -1).swapaxes(1, 2).reshape(
-                stop - start, self.shape[1])
-        return values
+            values = self._undo_interleave(values, start, stop)
+        return values[:, cols]
+
+    def _undo_interleave(self, values: np.ndarray, start: int, stop: int) -> np.ndarray:
+        if (stop - start) * self.num_heads % self.shape[0]:
+            raise ValueError(f"rows {start}:{stop} of {self.tensor.name} split a head")
+        heads = self.num_heads * (stop - start) // self.shape[0]
+        half = (stop - start) // heads // 2
+        return values.reshape(heads, half, 2, -1).swapaxes(1, 2).reshape(stop - start, -1)
 
     def __getitem__(self, key) -> torch.Tensor:
         rows, cols = (key, slice(None)) if not isinstance(key, tuple) else key
-        values = self._rows(rows)
-        if cols != slice(None):
-            values = values[:, cols]
-        return torch.from_numpy(np.array(values, dtype=np.float32))  # owns its memory
+        return torch.from_numpy(np.array(self._read(rows, cols), dtype=np.float32))
 
 
 def iter_gguf(path: str | Path, config: dict) -> Iterator[tuple[str, GGUFSlice]]:

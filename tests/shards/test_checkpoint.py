@@ -65,6 +65,13 @@ def test_a_rank_reads_its_heads_in_transformers_order():
     for start in (0, 64, 128):
         assert torch.equal(k[start:start + 64], whole[start:start + 64])
     assert torch.equal(k[:, 32:96], whole[:, 32:96])
+    # A row-split layer's share: only its columns' blocks are dequantized (Q4_1 and Q8_0
+    # blocks of 32); a range off the blocks is cut from the whole rows instead.
+    down = tensors["model.layers.3.mlp.down_proj.weight"]
+    embed = tensors["model.embed_tokens.weight"]
+    for t, cols in ((down, slice(768, 1536)), (down, slice(5, 70)),
+                    (embed, slice(64, 128)), (embed, slice(5, 70))):
+        assert torch.equal(t[0:16, cols], t[0:16][:, cols])
     raw = gguf.quants.dequantize(k.tensor.data, k.tensor.tensor_type)
     head = raw[:64].reshape(32, 2, 576).swapaxes(0, 1).reshape(64, 576)  # undo interleave
     assert np.array_equal(whole[:64].numpy(), head)
