@@ -24,7 +24,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.soak import Tally, one
+from benchmarks.mixed_load import Tally, one
 
 # A request that gets no byte for this long is hung (a recovery takes well under it).
 HANG_AFTER_S = 120.0
