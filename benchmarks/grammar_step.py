@@ -19,8 +19,8 @@ import time
 import llguidance
 
 from benchmarks.grammar_engines import _version
+from deployments.offline import LLM
 from engine.sampling_params import SamplingParams
-from shards.offline import LLM
 
 SCHEMA = {"type": "array", "items": {"type": "object", "properties": {
     "id": {"type": "integer", "minimum": 0, "maximum": 999},

@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from engine.messages import CachedRequestData, NewRequestData, StepInput  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from shards.model_runner import ModelRunner, ShardConfig  # noqa: E402
+from shards.worker.model_runner import ModelRunner, ShardConfig  # noqa: E402
 
 
 def _timed(fn, repeats: int) -> float:
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="tokens in each sequence during the timed decode steps "
                              "(default: input-len + output-len / 2, the workload's mean)")
     parser.add_argument("--cpu-matmul", default="auto", choices=["auto", "onednn", "torch"],
-                        help="who multiplies by the weights on CPU (shards/layers.py)")
+                        help="who multiplies by the weights on CPU (shards/model/layers.py)")
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args(argv)
     if not (Path(args.model) / "config.json").exists():

@@ -29,8 +29,8 @@ def make_prompts(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[i
 
 
 def bench_raygen(model: str, prompts, max_new: int) -> tuple[float, list[list[int]]]:
+    from deployments.offline import LLM
     from engine.sampling_params import SamplingParams
-    from shards.offline import LLM
 
     llm = LLM(model, max_batch_prefill_tokens=2048, kv_cache_memory=4 << 30)
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)

@@ -20,9 +20,9 @@ import ray  # noqa: E402
 from engine.config import CacheConfig, SchedulerConfig  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from shards.group import ShardGroup  # noqa: E402
-from shards.model_config import ModelConfig  # noqa: E402
-from shards.model_runner import ModelRunner, ShardConfig  # noqa: E402
+from shards.model.config import ModelConfig  # noqa: E402
+from shards.worker.group import ShardGroup  # noqa: E402
+from shards.worker.model_runner import ModelRunner, ShardConfig  # noqa: E402
 
 
 def decode_step_ms(worker, model: str, num_blocks: int, batch: int, steps: int) -> float:

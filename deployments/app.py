@@ -19,9 +19,9 @@ from deployments.config import DEMO_MODEL, AppArgs
 from deployments.ingress import Ingress
 from deployments.metrics_hub import MetricsHub
 from deployments.router import ROUTER_PATH
-from shards.checkpoint import CheckpointError, gguf_file, model_dir
-from shards.loader import checkpoint_files
-from shards.model_config import ModelConfig
+from shards.checkpoints.loader import checkpoint_files
+from shards.checkpoints.resolve import CheckpointError, gguf_file, model_dir
+from shards.model.config import ModelConfig
 
 # A replica batches many requests at once: Serve's default of 5 ongoing requests per
 # replica would starve the batch. Overload past this queues at most max_queued_requests,
@@ -64,11 +64,11 @@ REPLICA_ENV = {
 
 def replica_actor_options(args: AppArgs, num_cpus: float,
                           environ: Mapping[str, str] = os.environ) -> dict:
-    """A replica's ray_actor_options; with `replica_fast_path`, throughput mode's in-process
-    settings that the environment the app is built in does not set itself."""
+    """A replica's ray_actor_options, with throughput mode's in-process settings that the
+    environment the app is built in does not set itself."""
     options: dict = {"num_cpus": num_cpus}
     env = {k: v for k, v in REPLICA_ENV.items() if k not in environ}
-    if args.replica_fast_path and env:
+    if env:
         options["runtime_env"] = {"env_vars": env}
     return options
 

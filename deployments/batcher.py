@@ -27,11 +27,11 @@ from engine.async_engine import AsyncEngine
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.request import FinishReason
-from shards import logs
-from shards.checkpoint import load_tokenizer
+from shards.checkpoints.resolve import load_tokenizer
 from shards.demo_model import ensure_demo_model
-from shards.group import ShardGroup
-from shards.model_config import ModelConfig
+from shards.model.config import ModelConfig
+from shards.worker import logs
+from shards.worker.group import ShardGroup
 
 logger = logging.getLogger("ray.serve")
 

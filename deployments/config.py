@@ -6,6 +6,7 @@ the keys of `args:` in serve_config.yaml."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Literal
@@ -18,6 +19,12 @@ from shards.shard_config import ShardConfig
 DEMO_MODEL = "models/demo-tiny"
 
 
+def default(config_class: type, name: str):
+    """A component config's default: each default is written once, in the component's
+    dataclass, and the builder args (and the offline LLM through them) take it from there."""
+    return next(f.default for f in dataclasses.fields(config_class) if f.name == name)
+
+
 class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, protected_namespaces=())
 
@@ -25,69 +32,35 @@ class AppArgs(BaseModel):
     served_model_name: str | None = None
     tensor_parallel_size: int = Field(1, ge=1)
     device: Literal["cpu", "cuda"] = "cpu"
-    dtype: str = "auto"
+    dtype: str = default(ShardConfig, "dtype")
     # Engine (TGI's names).
-    max_batch_prefill_tokens: int = Field(4096, ge=1)
+    max_batch_prefill_tokens: int = Field(
+        default(SchedulerConfig, "max_batch_prefill_tokens"), ge=1)
     max_batch_total_tokens: int | None = Field(None, ge=1)
     max_batch_size: int | None = Field(None, ge=1)
     # None: TGI v3's policy (admit at every step with chunked prefill, else 0.3 and 20).
     waiting_served_ratio: float | None = Field(None, ge=0)
     max_waiting_tokens: int | None = Field(None, ge=0)
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    block_size: int = Field(16, ge=1)
+    enable_chunked_prefill: bool = default(SchedulerConfig, "enable_chunked_prefill")
+    enable_prefix_caching: bool = default(CacheConfig, "enable_prefix_caching")
+    block_size: int = Field(default(CacheConfig, "block_size"), ge=1)
     num_blocks: int | None = Field(None, ge=1)
-    kv_cache_memory: int = Field(1 << 30, ge=1 << 20, description="bytes of KV cache (CPU)")
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    kv_cache_memory: int = Field(default(ShardConfig, "kv_cache_memory"), ge=1 << 20,
+                                 description="bytes of KV cache (CPU)")
+    gpu_memory_utilization: float = Field(
+        default(ShardConfig, "gpu_memory_utilization"), gt=0, le=1)
     attention_backend: Literal["auto", "torch", "flash", "cpu"] = "auto"
     cpu_threads: int | None = Field(None, ge=1)
-    cpu_matmul: Literal["auto", "onednn", "torch"] = Field(
-        "auto", description="who multiplies by the weights on CPU: oneDNN on weights "
-        "reordered at start-up (auto) or torch (MKL). auto also "
-        "makes a second copy of the weights (64-column panels with raygen's AVX-512 "
-        "kernels, else K x N for MKL), times it against oneDNN at start-up and keeps it "
-        "for the steps it makes faster (one row: by 10%; panels, 2-64 rows: no slower at "
-        "32 rows, 65-256: at most 20% slower at 160); onednn keeps one copy")
     reserved_cpus: int | None = Field(
         None, ge=0, description="cores per node the shards leave to the serving plane "
         "(ingress, batcher, Ray); the shards split the others, each rank pinned to its "
         "own slice. Unset: on CPU, one core where every rank on the node still gets one of "
         "its own (as vLLM's CPU server reserves one), else none; on GPUs none")
-    borrow_reserved_cpus: bool | None = Field(
-        None, description="with reserved cores, a rank alone on its node runs its steps "
-        "on the reserved cores too, beside the serving plane: a torch thread bound to "
-        "each of its own and the reserved cores. Off, it keeps to its own cores. Unset: on "
-        "where reserved_cpus is unset or >= 1 on CPU shards")
-    compiled_graph: bool | None = Field(
-        None, description="run the shards' steps through a Ray Compiled Graph (shared-memory "
-        "channels) instead of one actor call per rank. Unset: on for tensor_parallel_size > 1. "
-        "Its ranks spin a core each while they wait for a step, so after 1 s without one "
-        "the group parks them in a blocking wait (shards/group.py)")
-    async_scheduling: bool | None = Field(
-        None, description="schedule the next step while the current one runs; the shards "
-        "feed their own samples in (engine/scheduler.py). Unset: on, unless the shards run "
-        "a compiled graph (tp > 1 by default), whose steps run one after another anyway. "
-        "On 2 CPU cores it measured +4% to +16% tok/s at concurrency 1 and 8, about even "
-        "at 24-32, and admits new requests a step later (benchmarks/NOTES.md 15, 29)")
-    output_channels: bool = Field(
-        True, description="a batcher replica sends each ingress replica one message per "
-        "step with all its requests' outputs, instead of one per request per step "
-        "(deployments/channels.py)")
-    replica_fast_path: bool = Field(
-        True, description="the ingress, batcher and metrics replicas run with Serve "
-        "throughput mode's in-process settings (user code on the replica's main loop, and "
-        "three more) and Serve's metrics handed to Ray every 1 s, not 0.1 s "
-        "(deployments/app.py), also under Serve's defaults; a variable set in the "
-        "environment wins")
     serve_throughput_mode: bool = Field(
-        True, description="`serve run deployments.app:build_app ...` (an import path, not a "
-        "config file) starts its fresh Ray instance with Serve's throughput mode (HAProxy on "
-        "the HTTP port, gRPC between replicas), as serve_config.yaml's controller_options "
-        "do; no effect where Ray already runs or a variable is already set "
-        "(deployments/app.py)")
-    debug_prefill_delay_s: float = Field(
-        0.0, ge=0, description="testing only: shards sleep this long before each step that "
-                               "admits requests (long steps without long prompts)")
+        True, description="`serve run deployments.app:build_app ...` starts its fresh Ray "
+        "instance in Serve's throughput mode (HAProxy on the HTTP port). Set false to see "
+        "the replicas' logs on the console and serve HTTP through Serve's proxy actor "
+        "(where HAProxy cannot run, or to debug a replica); no effect under a config file")
     # Server limits (TGI's names and defaults).
     max_concurrent_requests: int = Field(128, ge=1)
     max_input_tokens: int | None = Field(None, ge=1)
@@ -117,15 +90,9 @@ class AppArgs(BaseModel):
         if (self.max_input_tokens and self.max_total_tokens
                 and self.max_input_tokens >= self.max_total_tokens):
             raise ValueError("max_input_tokens must be < max_total_tokens")
-        if self.borrow_reserved_cpus and (self.reserved_cpus == 0 or self.device == "cuda"):
-            raise ValueError("borrow_reserved_cpus needs reserved_cpus >= 1 (or unset) and "
-                             "CPU shards")
         if self.shard_cpus >= 1 and self.shard_cpus != int(self.shard_cpus):
             raise ValueError("shard_cpus of 1 or more is the whole number of cores each "
                              f"rank owns; got {self.shard_cpus}")
-        if self.borrow_reserved_cpus and self.cores_per_rank:
-            raise ValueError("borrow_reserved_cpus needs shard_cpus below 1: a rank that "
-                             "owns whole cores keeps to them")
         return self
 
     @property
@@ -144,14 +111,17 @@ class AppArgs(BaseModel):
 
     @property
     def uses_compiled_graph(self) -> bool:
-        return self.tensor_parallel_size > 1 if self.compiled_graph is None else self.compiled_graph
+        """Ranks run their steps through a Ray Compiled Graph (shared-memory channels)
+        where there are several; one rank takes actor calls (a graph at TP=1 measured
+        slower on 2 cores: 89 against 56 ms a step, benchmarks/NOTES.md 51c)."""
+        return self.tensor_parallel_size > 1
 
     @property
     def steps_in_flight(self) -> int:
-        """2 with async scheduling; unset, it is on unless a compiled graph runs the steps
-        (one after another on the group's thread, so nothing would overlap)."""
-        on = self.async_scheduling
-        return 2 if (not self.uses_compiled_graph if on is None else on) else 1
+        """2 (async scheduling: the next step is scheduled while one runs, +4% to +16%
+        tok/s at concurrency 1 and 8 on 2 cores, benchmarks/NOTES.md 15, 29) unless a
+        compiled graph runs the steps one after another anyway."""
+        return 1 if self.uses_compiled_graph else 2
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         return SchedulerConfig(
@@ -175,9 +145,7 @@ class AppArgs(BaseModel):
             num_blocks=self.num_blocks, kv_cache_memory=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             attention_backend=self.attention_backend, cpu_threads=self.cpu_threads,
-            **self.core_plan(),
-            cpu_matmul=self.cpu_matmul,
-            debug_prefill_delay_s=self.debug_prefill_delay_s)
+            **self.core_plan())
 
     @property
     def cores_per_rank(self) -> int | None:
@@ -186,12 +154,13 @@ class AppArgs(BaseModel):
 
     def core_plan(self) -> dict[str, int | bool | None]:
         """The shards' reserved_cpus, borrow_reserved_cpus and cores_per_rank
-        (shards/cpu_plan.py); an unset reserved_cpus stays None on CPU, for each node to
+        (shards/cpu/plan.py); an unset reserved_cpus stays None on CPU, for each node to
         resolve."""
         cpu = self.device == "cpu"
         reserved = self.reserved_cpus if self.reserved_cpus is not None or cpu else 0
-        borrow = (cpu and reserved != 0 and self.borrow_reserved_cpus is not False
-                  and not self.cores_per_rank)
+        # A rank alone on its node also runs its steps on the reserved cores, beside the
+        # serving plane (shards/cpu/plan.py): that won on 2 cores (docs/performance.md).
+        borrow = cpu and reserved != 0 and not self.cores_per_rank
         return {"reserved_cpus": reserved, "borrow_reserved_cpus": borrow,
                 "cores_per_rank": self.cores_per_rank}
 

@@ -2,7 +2,7 @@
 that refuses a bad or pathological one before it is queued.
 
 A grammar is llguidance's text (rank 0 builds its matchers from the same text, see
-shards/grammar.py). The check builds a matcher and walks its first few tokens on a thread
+shards/model/grammar.py). The check builds a matcher and walks its first few tokens on a thread
 pool (llguidance drops the GIL, so the event loop keeps serving), under a time bound;
 results are cached by grammar text, so a grammar is checked once however often it comes."""
 
@@ -14,7 +14,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from shards.grammar import load_tokenizer, parser_limits
+from shards.model.grammar import load_tokenizer, parser_limits
 
 CACHE_SIZE = 1024
 CHECK_STEPS = 8

@@ -23,9 +23,9 @@ from deployments.metrics_hub import Pusher, collect, render, replica_source
 from deployments.openai_api import OpenAIApi
 from deployments.routing import router_families
 from deployments.tgi_api import TGIApi
-from shards.checkpoint import load_tokenizer
+from shards.checkpoints.resolve import load_tokenizer
 from shards.demo_model import ensure_demo_model
-from shards.model_config import ModelConfig
+from shards.model.config import ModelConfig
 
 # How long /health waits for the batcher's check. Under 32 streams the check answered in
 # 22 ms at p50 and 204 ms at most (NOTES 41); while a killed batcher replica is replaced the
@@ -76,10 +76,8 @@ class Ingress:
         self.metrics = Metrics(INGRESS)
         self.admission = Admission(self.metrics, args.max_concurrent_requests,
                                    args.payload_limit, args.resolved_api_key)
-        streaming = batcher.options(stream=True)
-        self.channels: OutputChannels | None = None
-        if args.output_channels:  # one message per step per batcher replica (channels.py)
-            streaming = self.channels = OutputChannels(streaming)
+        # One message per step per batcher replica, not one per request (channels.py).
+        streaming = self.channels = OutputChannels(batcher.options(stream=True))
         self.tgi = TGIApi(self.admission, grammars, streaming, tokenizer, self.limits, args.device)
         self.openai = OpenAIApi(self.admission, grammars, streaming, tokenizer, self.limits,
                                 args.max_n, args.model_name)

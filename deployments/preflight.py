@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from deployments.app import check_model
 from deployments.config import AppArgs
-from shards.checkpoint import CheckpointError
+from shards.checkpoints.resolve import CheckpointError
 
 BUILDER = "deployments.app:build_app"
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_BLOCK_SIZE = 16  # KV slots per block; the shards' cache uses the same
+
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     # None until the shards have measured memory at warmup (ShardGroup.warmup).
     num_blocks: int | None = None
     enable_prefix_caching: bool = True

@@ -83,25 +83,15 @@ def test_shipped_configs_run_serves_throughput_mode():
         assert THROUGHPUT_MODE.items() <= env.items()
 
 
-@pytest.mark.parametrize("knobs", [{"reserved_cpus": 0}, {"device": "cuda"},
-                                   {"reserved_cpus": 1, "device": "cuda"}])
-def test_borrowing_reserved_cores_needs_reserved_cores_on_cpu(knobs):
-    with pytest.raises(ValueError, match="borrow_reserved_cpus needs reserved_cpus >= 1"):
-        AppArgs(model="m", borrow_reserved_cpus=True, **knobs)
-    assert AppArgs(model="m", borrow_reserved_cpus=True, reserved_cpus=1).shard_config() \
-        .borrow_reserved_cpus
-
-
 @pytest.mark.parametrize(("knobs", "reserved", "borrow"), [
     ({}, None, True),  # the default on CPU: each node reserves one core where it can
-    ({"borrow_reserved_cpus": False}, None, False),
     ({"reserved_cpus": 0}, 0, False),  # the whole node, two unpinned threads on 2 cores
     ({"reserved_cpus": 2}, 2, True),
     ({"device": "cuda"}, 0, False),  # GPU shards: nothing reserved unless asked
     ({"device": "cuda", "reserved_cpus": 1}, 1, False),
 ])
 def test_the_core_plan_is_the_default_on_cpu(knobs, reserved, borrow):
-    from shards.cpu_plan import resolve_reserved
+    from shards.cpu.plan import resolve_reserved
 
     config = AppArgs(model="m", **knobs).shard_config()
     assert (config.reserved_cpus, config.borrow_reserved_cpus) == (reserved, borrow)
@@ -126,20 +116,14 @@ def test_shard_cpus_of_one_or_more_are_whole_cores_each_rank_owns(knobs, per_ran
     assert args.placement_group_bundles()[1:] == [shard_bundle] * 2
 
 
-def test_shard_cpus_of_one_or_more_must_be_whole_and_not_borrow():
+def test_shard_cpus_of_one_or_more_must_be_whole():
     with pytest.raises(ValueError, match="whole number of cores"):
         AppArgs(model="m", shard_cpus=1.5)
-    with pytest.raises(ValueError, match="borrow_reserved_cpus needs shard_cpus below 1"):
-        AppArgs(model="m", shard_cpus=2, borrow_reserved_cpus=True)
 
 
 @pytest.mark.parametrize(("knobs", "compiled", "in_flight"), [
-    ({}, False, 2),  # tp 1: async scheduling unless asked otherwise
-    ({"async_scheduling": False}, False, 1),
+    ({}, False, 2),  # tp 1: actor calls, async scheduling
     ({"tensor_parallel_size": 2}, True, 1),  # a compiled graph runs steps one by one
-    ({"tensor_parallel_size": 2, "compiled_graph": False}, False, 2),
-    ({"tensor_parallel_size": 2, "async_scheduling": True}, True, 2),
-    ({"compiled_graph": True}, True, 1),
 ])
 def test_async_scheduling_is_on_unless_a_compiled_graph_runs_the_steps(knobs, compiled,
                                                                        in_flight):
@@ -150,7 +134,7 @@ def test_async_scheduling_is_on_unless_a_compiled_graph_runs_the_steps(knobs, co
 def test_replicas_get_throughput_modes_in_process_settings_unless_the_environment_says():
     """Under Serve's defaults too, the ingress and batcher replicas run user code on their
     main loop (and three more of throughput mode's settings) through their runtime_env; a
-    variable already set where the app is built wins, and the knob turns it off."""
+    variable already set where the app is built wins."""
     from deployments.app import REPLICA_ENV, replica_actor_options
 
     args = AppArgs(model="m")
@@ -163,9 +147,6 @@ def test_replicas_get_throughput_modes_in_process_settings_unless_the_environmen
     assert "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD" not in env
     assert set(env) == set(REPLICA_ENV) - set(mine)
     assert replica_actor_options(args, 0, environ=REPLICA_ENV) == {"num_cpus": 0}
-
-    off = AppArgs(model="m", replica_fast_path=False)
-    assert replica_actor_options(off, 0, environ={}) == {"num_cpus": 0}
 
 
 def test_serve_run_of_the_import_path_starts_ray_in_throughput_mode(monkeypatch):

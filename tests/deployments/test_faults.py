@@ -17,8 +17,9 @@ from ray import serve
 from deployments.app import build_app
 from deployments.config import AppArgs
 from deployments.ingress import HEALTH_TIMEOUT_S
+from deployments.offline import LLM
 from engine.sampling_params import SamplingParams
-from shards.offline import LLM
+from tests.doubles import slow_model, slow_steps_runtime_env
 
 pytestmark = pytest.mark.integration  # Ray in the test process
 
@@ -27,21 +28,23 @@ BASE = f"http://127.0.0.1:{PORT}"
 
 
 @pytest.fixture(scope="module")
-def apps(llama_dir):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+def apps(llama_dir, tmp_path_factory):
+    # The owner apps' shards sleep 2 s before each step that admits requests (tests/doubles.py).
+    slow = slow_model(llama_dir, tmp_path_factory.mktemp("slow"))
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env=slow_steps_runtime_env({slow: 2.0}))
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     specs = [
         ("faults", "/", AppArgs(model=llama_dir, max_concurrent_requests=512, num_blocks=1024,
                                 max_total_tokens=512)),
-        # Outputs in each generation's own call here (elsewhere through output channels).
-        ("kv", "/kv", AppArgs(model=llama_dir, num_blocks=32, max_total_tokens=128,
-                              output_channels=False)),
+        ("kv", "/kv", AppArgs(model=llama_dir, num_blocks=32, max_total_tokens=128)),
         ("slow", "/slow", AppArgs(model=llama_dir, request_timeout=1.0, num_blocks=512)),
     ]
-    for mode in ("sync", "async"):  # an app per step pipeline depth, slow admitting steps
+    # An app per step pipeline depth, slow admitting steps: one step in flight (TP=2, a
+    # compiled graph) and two (TP=1, async scheduling).
+    for mode, tp in (("sync", 2), ("async", 1)):
         specs.append((f"owner-{mode}", f"/owner-{mode}",
-                      AppArgs(model=llama_dir, num_blocks=256, debug_prefill_delay_s=2.0,
-                              async_scheduling=mode == "async")))
+                      AppArgs(model=slow, num_blocks=256, tensor_parallel_size=tp)))
     # Deployed together: their replicas start side by side instead of one app after another.
     serve.run_many([serve.RunTarget(build_app(args), name=name, route_prefix=prefix)
                     for name, prefix, args in specs])

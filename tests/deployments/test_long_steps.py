@@ -1,6 +1,6 @@
 """A step's duration is never a failure: steps made longer on purpose than every deadline the
-step path ever had (the test-only `debug_prefill_delay_s`: each shard sleeps before a step
-that admits requests) complete at tensor_parallel_size=2 (compiled graph) and at TP=1 with
+step path ever had (a test double, tests/doubles.py: each shard sleeps before a step that
+admits requests) complete at tensor_parallel_size=2 (compiled graph) and at TP=1 with
 one thread (actor calls), while Serve health-checks the replica and /health is asked."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 
 from deployments.app import build_app
 from deployments.config import AppArgs
+from tests.doubles import slow_steps_runtime_env
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.integration  # Ray in the test process
@@ -30,11 +31,11 @@ APPS = {"tp2": {"tensor_parallel_size": 2}, "tp1": {"cpu_threads": 1}}
 
 @pytest.fixture(scope="module")
 def apps(llama_dir):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
+             runtime_env=slow_steps_runtime_env({llama_dir: LONG_STEP_S}))
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     for name, knobs in APPS.items():
-        serve.run(build_app(AppArgs(model=llama_dir, num_blocks=256,
-                                    debug_prefill_delay_s=LONG_STEP_S, **knobs)),
+        serve.run(build_app(AppArgs(model=llama_dir, num_blocks=256, **knobs)),
                   name=name, route_prefix=f"/{name}")
     yield
     serve.shutdown()

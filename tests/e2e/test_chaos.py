@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from benchmarks.chaos import chaos, is_replica_of, server_processes, succeeded
+from deployments.offline import LLM
 from engine.sampling_params import SamplingParams
-from shards.offline import LLM
 from tests.e2e.serving import BASE, serve_run
 
 RECOVERY_LIMIT_S = 60

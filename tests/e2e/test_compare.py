@@ -86,11 +86,11 @@ def test_raygen_variants_pass_builder_args_to_a_config_or_the_command_line(llama
     from benchmarks.compare import make_servers, parse_args
 
     args = parse_args(["--model", llama_dir, "--servers",
-                       "raygen-import-path@reserved_cpus=0+cpu_matmul=onednn,"
+                       "raygen-import-path@reserved_cpus=0+max_batch_size=8,"
                        "raygen-default-proxy@num_blocks=512"])
     plain, proxy = make_servers(args)
     assert plain.command[1:] == ["run", "deployments.app:build_app", f"model={llama_dir}",
-                                 "reserved_cpus=0", "cpu_matmul=onednn"]
+                                 "reserved_cpus=0", "max_batch_size=8"]
     assert not any(k.startswith("RAY_SERVE_") for k in plain.env)
     config = json.loads(open(proxy.command[2]).read())
     assert "controller_options" not in config

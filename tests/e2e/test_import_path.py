@@ -16,8 +16,8 @@ import yaml
 from text_generation import Client
 
 from benchmarks.disconnects import run_round
+from deployments.offline import LLM
 from engine.sampling_params import SamplingParams
-from shards.offline import LLM
 from tests.e2e.serving import BASE, ROOT, listener, replica_environ, serve_run
 
 

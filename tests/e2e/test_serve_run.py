@@ -15,8 +15,8 @@ import yaml
 from openai import OpenAI
 from text_generation import AsyncClient, Client
 
+from deployments.offline import LLM
 from engine.sampling_params import SamplingParams
-from shards.offline import LLM
 from tests.e2e.serving import BASE, ROOT, listener, replica_environ, serve_run
 
 
@@ -66,10 +66,10 @@ def test_shard_start_up_lines_reach_the_serve_run_console(server):
     what `serve run` printed, tagged with the rank: Ray copies the actor's stderr there."""
     text = server.log.read_text(errors="replace")
     lines = [line for line in text.splitlines() if "(ShardActor pid=" in line]
-    plan = [line for line in lines if "shard rank 0/1 shards.actor -- core plan:" in line]
+    plan = [line for line in lines if "shard rank 0/1 shards.worker.actor -- core plan:" in line]
     assert plan and "reserved for the serving plane" in plan[0], lines
-    assert any("shards.model_runner -- KV cache:" in line for line in lines), lines
-    assert any("shards.model_runner -- attention backend:" in line for line in lines), lines
+    assert any("shards.worker.model_runner -- KV cache:" in line for line in lines), lines
+    assert any("shards.worker.model_runner -- attention backend:" in line for line in lines), lines
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from text_generation import AsyncClient, Client
 from text_generation.errors import ValidationError
 from text_generation.types import Grammar, GrammarType
 
+from deployments.offline import LLM
 from engine.sampling_params import SamplingParams
-from shards.offline import LLM
 from tests.e2e.serving import BASE, listener, serve_run
 from tests.shards.test_grammar import REGEXES, SCHEMAS
 

@@ -7,9 +7,9 @@ import threading
 
 import pytest
 
-from shards import actor as actor_module
-from shards.actor import ShardActor
-from shards.model_runner import ShardConfig
+from shards.worker import actor as actor_module
+from shards.worker.actor import ShardActor
+from shards.worker.model_runner import ShardConfig
 
 
 class Recorder:

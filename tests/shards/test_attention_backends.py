@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shards.attention import (
+from shards.model.attention import (
     AttentionMetadata,
     CpuPagedAttentionBackend,
     PrefillSeq,
@@ -75,14 +75,14 @@ def check_mixed_batch(backend):
 
 @pytest.mark.gpu
 def test_flash_backend_matches_torch_backend_on_cuda(llama_dir):
-    from shards.attention import _import_flash
+    from shards.model.attention import _import_flash
 
     try:
         _import_flash()
     except ImportError as exc:
         pytest.skip(str(exc))
+    from deployments.offline import LLM
     from engine.sampling_params import SamplingParams
-    from shards.offline import LLM
     from tests.reference import make_prompts
 
     prompts = make_prompts(2048, [3, 40, 120, 17], seed=41)
@@ -100,10 +100,10 @@ def test_flash_backend_matches_torch_backend_on_cuda(llama_dir):
         assert distance < 0.05
 
 
-# -- raygen's CPU decode kernel (shards/csrc/paged_attention.cpp) -----------------------
+# -- raygen's CPU decode kernel (shards/cpu/csrc/paged_attention.cpp) -----------------------
 @pytest.fixture(scope="module")
 def cpu_kernel():
-    from shards import cpu_kernels
+    from shards.cpu import kernels as cpu_kernels
 
     kernel = cpu_kernels.load()
     if kernel is None:
@@ -182,7 +182,7 @@ def test_norm_kernel_matches_the_torch_norm(cpu_kernel, rows):
     """One pass gives what RMSNorm's seven torch ops give: the residual sum bit for bit,
     the normalized rows within an ulp or two (only the sum of squares adds in another
     order)."""
-    from shards.layers import RMSNorm
+    from shards.model.layers import RMSNorm
 
     torch.manual_seed(rows)
     norm = RMSNorm(96, 1e-5, torch.float32)
@@ -265,7 +265,7 @@ def test_rotary_kernel_is_bit_exact(cpu_kernel, heads, kv_heads, head_dim):
     """q and k rotated by the kernel equal the torch path bit for bit (no fused
     multiply-adds), v is the same view, at every position up to the table's last and with
     a scaled table (llama3); qkv may be a view with a row stride of its own."""
-    from shards.layers import RotaryEmbedding
+    from shards.model.layers import RotaryEmbedding
 
     scaling = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64}
     for rope_scaling in (None, scaling):
@@ -337,9 +337,9 @@ def test_kv_write_kernel_equals_index_copy(cpu_kernel):
 def test_runner_uses_the_layer_kernels_with_the_cpu_backend_only(cpu_kernel, llama_dir):
     """The CPU attention backend brings the norm, rotary, activation and KV-write kernels;
     the torch backend stays pure torch (the reference the kernels are checked against)."""
-    from shards.layers import RMSNorm, RotaryEmbedding
-    from shards.model import MLP
-    from shards.model_runner import ModelRunner, ShardConfig
+    from shards.model.layers import RMSNorm, RotaryEmbedding
+    from shards.model.llama import MLP
+    from shards.worker.model_runner import ModelRunner, ShardConfig
 
     def kernels(backend):
         runner = ModelRunner(ShardConfig(model=llama_dir, device="cpu",
@@ -366,7 +366,7 @@ def test_auto_backend_on_cpu(cpu_kernel):
 
 def test_a_kernel_that_does_not_build_leaves_the_torch_path(tmp_path, monkeypatch):
     """No compiler, or a build error: `auto` falls back to torch, `cpu` says why."""
-    from shards import cpu_kernels
+    from shards.cpu import kernels as cpu_kernels
 
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")

@@ -15,10 +15,10 @@ import torch
 
 from deployments.app import check_model
 from deployments.config import AppArgs
+from deployments.offline import LLM
 from engine.sampling_params import SamplingParams
-from shards.checkpoint import CheckpointError, find_gguf, model_dir
-from shards.gguf_weights import check_tensor_types, hf_name, iter_gguf
-from shards.offline import LLM
+from shards.checkpoints.gguf_weights import check_tensor_types, hf_name, iter_gguf
+from shards.checkpoints.resolve import CheckpointError, find_gguf, model_dir
 from tests.reference import smollm2_gguf
 
 SMOLLM2 = smollm2_gguf()

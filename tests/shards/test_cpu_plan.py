@@ -1,4 +1,4 @@
-"""shards.cpu_plan.claim: whole cores per rank, claimed in a file every shard of a node
+"""shards.cpu.plan.claim: whole cores per rank, claimed in a file every shard of a node
 shares; live processes keep their claims, dead ones lose them. bind_torch_threads: one
 core per torch thread."""
 
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from shards import cpu_plan
+from shards.cpu import plan as cpu_plan
 
 
 def started(seconds: float = 30) -> subprocess.Popen:
@@ -103,7 +103,7 @@ def test_an_unwritable_claims_file_costs_only_the_claims(tmp_path):
 
 BIND = """
 import json, os, sys, torch
-from shards import cpu_plan
+from shards.cpu import plan as cpu_plan
 cores = sorted(os.sched_getaffinity(0))[:2]
 os.sched_setaffinity(0, cores)
 torch.set_num_threads(2)

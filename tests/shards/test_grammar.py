@@ -11,9 +11,9 @@ import jsonschema
 import llguidance
 import pytest
 
+from deployments.offline import LLM
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
-from shards.offline import LLM
 from tests.reference import hf_greedy, make_prompts
 
 # Bounded: every property required, no extra properties, bounded strings, arrays and
@@ -107,7 +107,7 @@ def test_a_resumed_request_replays_its_output_into_a_new_matcher(llama_dir):
     # After preemption a request comes back whole; its matcher must resume where it was.
     import torch
 
-    from shards.grammar import Grammars
+    from shards.model.grammar import Grammars
 
     grammars = Grammars(llama_dir, 2048)
     grammar = json_grammar(SCHEMAS[1])

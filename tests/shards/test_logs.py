@@ -1,4 +1,4 @@
-"""shards.logs: the engine's and shards' lines reach a handler in Ray's processes, once."""
+"""shards.worker.logs: the engine's and shards' lines reach a handler in Ray's processes, once."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from shards import logs
+from shards.worker import logs
 
 
 class Records(logging.Handler):
@@ -32,11 +32,12 @@ def clean_loggers():
 def test_to_stderr_tags_each_line_once_however_often_installed(clean_loggers, capsys):
     logs.to_stderr("shard rank 1/2")
     logs.to_stderr("shard rank 1/2")  # a second install replaces the first
-    logging.getLogger("shards.actor").info("core plan: %s", "x")
-    logging.getLogger("shards.actor").debug("not at INFO")
+    logging.getLogger("shards.worker.actor").info("core plan: %s", "x")
+    logging.getLogger("shards.worker.actor").debug("not at INFO")
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1, err
-    assert err[0].startswith("INFO ") and "shard rank 1/2 shards.actor -- core plan: x" in err[0]
+    assert err[0].startswith("INFO ")
+    assert "shard rank 1/2 shards.worker.actor -- core plan: x" in err[0]
 
 
 def test_to_serve_hands_lines_to_serves_logger_at_its_level(clean_loggers):
@@ -47,9 +48,9 @@ def test_to_serve_hands_lines_to_serves_logger_at_its_level(clean_loggers):
     logs.to_serve()
     logs.to_serve()
     logging.getLogger("engine.async_engine").info("dropped: Serve's logger is at WARNING")
-    logging.getLogger("shards.group").warning("KV cache: %d blocks", 7)
+    logging.getLogger("shards.worker.group").warning("KV cache: %d blocks", 7)
     assert [r.getMessage() for r in sink.records] == ["KV cache: 7 blocks"]
-    assert sink.records[0].name == "shards.group"
+    assert sink.records[0].name == "shards.worker.group"
     serve_logger.setLevel(logging.INFO)
     logging.getLogger("engine.async_engine").info("kept")
     assert [r.getMessage() for r in sink.records][-1] == "kept"

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
+from deployments.offline import LLM
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
-from shards.offline import LLM
 from tests.reference import make_prompts
 
 

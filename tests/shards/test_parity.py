@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from deployments.offline import LLM
 from engine.sampling_params import SamplingParams
-from shards.offline import LLM
 from tests.reference import PARITY_LENGTHS, PARITY_NEW_TOKENS, hf_greedy, make_prompts
 
 
@@ -170,7 +170,7 @@ def copy_pays(monkeypatch):
     """Whether the start-up timings find the weight copy faster, decided by the test (on
     the tiny test models either can win): for one-row steps, and (panels only) for steps
     of 2 to `up_to` rows, one of PANEL_TIMINGS' bounds (1: none)."""
-    from shards import model_runner
+    from shards.worker import model_runner
 
     def force(one_row: bool, up_to: int = 1) -> list:
         timed = []
@@ -187,7 +187,7 @@ def copy_pays(monkeypatch):
 
 @pytest.fixture
 def kernel():
-    from shards import cpu_kernels
+    from shards.cpu import kernels as cpu_kernels
 
     return cpu_kernels.load()
 
@@ -236,7 +236,7 @@ def test_one_row_products_on_the_copy_match_transformers(arch, threads, llama_di
     # or two; more rows through oneDNN.
     import torch
 
-    from shards.layers import _Matmul
+    from shards.model.layers import _Matmul
 
     model_dir = llama_dir if arch == "llama" else qwen2_dir
     timed = copy_pays(True)
@@ -271,8 +271,8 @@ def test_panel_products_match_transformers(arch, threads, one_row, up_to, llama_
     whose row counts the timings chose go through them (the rest through oneDNN), with
     the same greedy tokens as transformers. A timing runs only where the one before it
     passed."""
-    from shards.layers import PANEL_MAX_ROWS, _Matmul
-    from shards.model_runner import PANEL_TIMINGS
+    from shards.model.layers import PANEL_MAX_ROWS, _Matmul
+    from shards.worker.model_runner import PANEL_TIMINGS
 
     assert PANEL_TIMINGS[-1][1] == PANEL_MAX_ROWS
     model_dir = llama_dir if arch == "llama" else qwen2_dir
@@ -296,7 +296,7 @@ def test_panel_products_match_transformers(arch, threads, one_row, up_to, llama_
 
 def test_a_copy_that_does_not_pay_is_dropped(llama_dir, parity_prompts, keep_torch_threads,
                                              copy_pays, kernel):
-    from shards.layers import _Matmul
+    from shards.model.layers import _Matmul
 
     timed = copy_pays(False)
     llm = LLM(llama_dir, num_blocks=256, device="cpu")
@@ -314,8 +314,8 @@ def test_the_copy_is_kept_only_where_it_is_timed_faster(llama_dir, keep_torch_th
                                                         copy_pays, kernel):
     import math
 
-    from shards.layers import time_copy_products
-    from shards.model_runner import ModelRunner, ShardConfig, one_row_copy_pays, panels_pay
+    from shards.model.layers import time_copy_products
+    from shards.worker.model_runner import ModelRunner, ShardConfig, one_row_copy_pays, panels_pay
 
     assert one_row_copy_pays(1.0, 0.9) and not one_row_copy_pays(1.0, 0.91)
     assert panels_pay(32, 1.0, 1.0) and not panels_pay(32, 1.0, 1.01)
@@ -334,8 +334,13 @@ def test_no_one_row_copy_where_it_would_not_leave_half_the_memory(llama_dir, mon
     `num_blocks` fixes where set, else the `kv_cache_memory` budget. Runners are built
     without their KV cache here; one with a single copy still serves. (Each copy made
     here is timed as paying.)"""
-    from shards import model_runner
-    from shards.model_runner import ModelRunner, ShardConfig, available_memory, one_row_copy_fits
+    from shards.worker import model_runner
+    from shards.worker.model_runner import (
+        ModelRunner,
+        ShardConfig,
+        available_memory,
+        one_row_copy_fits,
+    )
 
     copy_pays(True)
     assert one_row_copy_fits(10, 40, 100) and not one_row_copy_fits(11, 40, 100)

@@ -14,9 +14,9 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from deployments.offline import LLM
 from engine.sampling_params import SamplingParams
-from shards.offline import LLM
-from shards.sampler import SampleRow, _apply_penalties, _warp, sample
+from shards.model.sampler import SampleRow, _apply_penalties, _warp, sample
 from tests.reference import hf_model, make_prompts
 
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.5, 0.0, -0.5, -1.0, -3.0, 1.4])

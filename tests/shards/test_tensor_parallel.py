@@ -19,33 +19,43 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.messages import CachedRequestData, StepInput
 from engine.sampling_params import SamplingParams
-from shards.group import ShardError, ShardGroup
-from shards.model_config import ModelConfig
-from shards.model_runner import ShardConfig
+from shards.model.config import ModelConfig
+from shards.worker.group import ShardError, ShardGroup
+from shards.worker.model_runner import ShardConfig
+from tests.doubles import slow_model, slow_steps_runtime_env
 from tests.reference import PARITY_LENGTHS, PARITY_NEW_TOKENS, hf_greedy, make_prompts
 from tests.shards.test_parity import run_staggered
 
 pytestmark = pytest.mark.integration  # Ray in the test process
 
 
+LONG_STEP_S = 15.0
+# A model path per step delay (tests/doubles.py): GroupLLM(prefill_delay_s=...) serves it.
+SLOW_PATHS: dict[float, str] = {}
+
+
 @pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
+def ray_cluster(llama_dir, tmp_path_factory):
+    for delay in (LONG_STEP_S, LONG_STEP_S * 5):
+        SLOW_PATHS[delay] = slow_model(llama_dir, tmp_path_factory.mktemp(f"slow{delay:g}"))
     # The dashboard is on here (about 4 s) because the placement check goes through Ray's
     # state API, which is served by it; the other modules run without it.
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=True, log_to_driver=False,
-             configure_logging=False)
+             configure_logging=False,
+             runtime_env=slow_steps_runtime_env({p: d for d, p in SLOW_PATHS.items()}))
     yield
     ray.shutdown()
 
 
 class GroupLLM:
-    """Just enough of shards.offline.LLM for run_staggered, over a ShardGroup."""
+    """Just enough of deployments.offline.LLM for run_staggered, over a ShardGroup."""
 
     def __init__(self, model_dir: str, tp: int, tokenizer, num_blocks: int = 256,
                  prefill_delay_s: float = 0.0, compiled_graph: bool | None = None,
                  shard: dict | None = None, **knobs):
-        config = ShardConfig(model=model_dir, num_blocks=num_blocks,
-                             debug_prefill_delay_s=prefill_delay_s, **(shard or {}))
+        if prefill_delay_s:
+            model_dir = SLOW_PATHS[prefill_delay_s]
+        config = ShardConfig(model=model_dir, num_blocks=num_blocks, **(shard or {}))
         self.group = ShardGroup(config, tp, num_cpus_per_shard=0.5, compiled_graph=compiled_graph)
         self.group.warmup(4096)
         mc = ModelConfig.from_pretrained(model_dir)
@@ -271,11 +281,9 @@ def test_a_rank_that_dies_while_parked_fails_the_next_step_by_name(llama_dir, to
         pool.shutdown(wait=False)
 
 
-# Longer than every deadline the step path ever had: the watchdog interval (1 s), the old
-# health-check call (10 s) and Ray's compiled-graph read timeout (RAY_CGRAPH_get_timeout, 10 s).
-LONG_STEP_S = 15.0
-
-
+# LONG_STEP_S is longer than every deadline the step path ever had: the watchdog interval
+# (1 s), the old health-check call (10 s) and Ray's compiled-graph read timeout
+# (RAY_CGRAPH_get_timeout, 10 s).
 @pytest.mark.parametrize("compiled_graph", [True, False], ids=["compiled", "actor-calls"])
 def test_a_step_longer_than_any_deadline_completes_and_the_group_stays_healthy(
         llama_dir, tokenizer, compiled_graph):
@@ -381,7 +389,7 @@ def test_constrained_output_at_tp2_equals_one_shard(llama_dir, tokenizer):
     # Only rank 0 keeps matchers; the other ranks' steps must not care.
     import llguidance
 
-    from shards.offline import LLM
+    from deployments.offline import LLM
     from tests.shards.test_grammar import REGEXES, SCHEMAS, json_grammar
 
     grammars = [json_grammar(SCHEMAS[0]), llguidance.LLMatcher.grammar_from_regex(REGEXES[2]),
@@ -407,9 +415,9 @@ def kept_one_row_copy_where_it_paid(placement: dict) -> bool:
     """A rank timed its products both ways on its own threads, and kept the weight copy
     exactly for the steps where it was faster by the margin: one-row steps, and with
     panels those of 2 rows up to the most that the timings at PANEL_TIMINGS' row counts
-    admit, each timed only where the one before it passed (shards/model_runner.py). A
+    admit, each timed only where the one before it passed (shards/worker/model_runner.py). A
     copy that serves no step is gone."""
-    from shards.model_runner import PANEL_TIMINGS, one_row_copy_pays, panels_pay
+    from shards.worker.model_runner import PANEL_TIMINGS, one_row_copy_pays, panels_pay
 
     timings, panel_timings = placement["one_row_timings"], placement["panel_timings"]
     one_row = placement["one_row_weights"]
@@ -432,7 +440,7 @@ def kept_one_row_copy_where_it_paid(placement: dict) -> bool:
 
 
 # Where a rank runs a thread per core of its slice, each thread is bound to one of them
-# (shards/cpu_plan.py, read back from the kernel).
+# (shards/cpu/plan.py, read back from the kernel).
 @pytest.mark.parametrize(("tp", "reserved", "threads", "affinities", "borrow"), [
     (1, 0, None, [[0, 1]], False),  # the whole node, two threads
     (1, 1, None, [[0]], False),  # one pinned thread, core 1 left to the serving plane
@@ -470,7 +478,7 @@ def test_core_plan_pins_each_rank_and_sizes_its_threads(llama_dir, tp, reserved,
 def gone_from_claims(node_id: str, pids: list[int] | None = None, timeout_s: float = 30):
     """Wait until the processes (every one the node's claims file names, by default) have
     exited: ray.kill returns before an actor's process is gone."""
-    from shards import cpu_plan
+    from shards.cpu import plan as cpu_plan
 
     path = cpu_plan.claims_path(node_id)
     if pids is None:
@@ -489,7 +497,7 @@ def test_whole_cores_per_rank_are_claimed_node_wide_and_freed_when_a_rank_dies(l
     """Two replicas' groups on one node, each rank owning one whole core (the app's
     shard_cpus=1): they get different cores, where groups that split the node among their
     own ranks would both take core 0. Once a group is gone its core is the next one's."""
-    from shards import cpu_plan
+    from shards.cpu import plan as cpu_plan
 
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) != 2:

@@ -3,7 +3,7 @@
 // One query token per sequence. Each (sequence, kv head) is one task: its G = H / KVH
 // query heads are scored against the sequence's tokens block by block through the block
 // table, softmaxed, and V is summed the same way. Nothing is gathered or padded: K and V
-// are read once, in place. The torch backend (shards/attention.py) computes the same
+// are read once, in place. The torch backend (shards/model/attention.py) computes the same
 // thing with a gather and SDPA; this replaces only its decode part.
 #include "ops.h"
 

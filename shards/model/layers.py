@@ -18,7 +18,7 @@ from torch import nn
 # has (1 to a prefill's hundreds) as well as or better than the others measured.
 ONEDNN_BATCH_HINT = 32
 # Steps of up to this many rows may use the panel copy (`_Matmul`), where the start-up
-# timings admit them (shards/model_runner.py): alone the panels took 0.69-0.97x
+# timings admit them (shards/worker/model_runner.py): alone the panels took 0.69-0.97x
 # oneDNN's time from 2 to 64 rows and tied it at 128-256 (benchmarks/NOTES.md 47-48).
 PANEL_MAX_ROWS = 256
 
@@ -71,7 +71,7 @@ class _Matmul(nn.Module):
     At two rows they tie, and from four oneDNN wins.
 
     Where raygen's CPU kernels are built with AVX-512, that copy is instead cut into
-    64-column panels (`panels`, shards/csrc/panel_linear.cpp) that torch's threads claim
+    64-column panels (`panels`, shards/cpu/csrc/panel_linear.cpp) that torch's threads claim
     one at a time, for steps of up to `panel_rows[1]` rows: oneDNN splits a product in
     fixed shares, so a thread that another process preempts holds the other up at the end
     of every product; here the other takes its share. Alone they take 0.69-0.97x
@@ -82,7 +82,7 @@ class _Matmul(nn.Module):
     packed: torch.Tensor | None = None
     transposed: torch.Tensor | None = None
     panels: torch.Tensor | None = None
-    panel_kernels: Any = None  # shards.cpu_kernels' module, which multiplies by `panels`
+    panel_kernels: Any = None  # shards.cpu.kernels' module, which multiplies by `panels`
     panel_rows: tuple[int, int] = (1, 0)  # the row counts (from, to) that use the panels
     weight_shape: tuple[int, int] = (0, 0)  # (N, K), kept when the weight itself is freed
 
@@ -331,7 +331,7 @@ class ParallelLMHead(VocabParallelEmbedding, _Matmul):
 
 def use_cpu_kernels(model: nn.Module, kernels: Any) -> int:
     """Run the model's RMSNorms, rotary embeddings and MLP activations (silu(gate) * up)
-    through raygen's CPU kernels (float32 on CPU; shards/csrc/layer_ops.cpp). Per call,
+    through raygen's CPU kernels (float32 on CPU; shards/cpu/csrc/layer_ops.cpp). Per call,
     eager torch took 16-27 us for a norm of 1-32 rows and 36-62 us for a rotation, the
     kernels 2-7 us; 512 rows 1.2 ms and 2.2 ms against 0.1 ms each (benchmarks/NOTES.md
     44); the activation, NOTES 50. Every module whose class declares a `kernels` slot
@@ -345,7 +345,7 @@ def use_cpu_kernels(model: nn.Module, kernels: Any) -> int:
 
 
 class RMSNorm(nn.Module):
-    # raygen's CPU kernels (shards/cpu_kernels.py), set by `use_cpu_kernels`: the same
+    # raygen's CPU kernels (shards/cpu/kernels.py), set by `use_cpu_kernels`: the same
     # computation in one pass instead of seven ops.
     kernels: Any = None
 

@@ -35,8 +35,8 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.messages import StepInput, StepOutput
-from shards.actor import CONCURRENCY_GROUPS, Park, ShardActor
-from shards.model_runner import ShardConfig
+from shards.worker.actor import CONCURRENCY_GROUPS, Park, ShardActor
+from shards.worker.model_runner import ShardConfig
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class ShardGroup:
         self._watchdog.start()
 
     def _bind_cpus(self, timeout_s: float) -> None:
-        """Give each rank its own slice of its node's cores (shards/cpu_plan.py)."""
+        """Give each rank its own slice of its node's cores (shards/cpu/plan.py)."""
         nodes = ray.get([a.node_id.remote() for a in self.actors], timeout=timeout_s)
         group = uuid.uuid4().hex
         ray.get([a.bind_cpus.remote(nodes[:rank].count(node), nodes.count(node), group)

@@ -1,4 +1,4 @@
-// raygen's CPU kernels (float32), one Python module: shards/cpu_kernels.py builds every
+// raygen's CPU kernels (float32), one Python module: shards/cpu/kernels.py builds every
 // .cpp here into it and module.cpp registers them.
 #pragma once
 

@@ -7,46 +7,51 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import AsyncIterator, Sequence
 
+from deployments.config import AppArgs
 from engine.async_engine import AsyncEngine
-from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
-from shards.checkpoint import load_tokenizer
-from shards.model_runner import ModelRunner, ShardConfig
+from shards.checkpoints.resolve import load_tokenizer
+from shards.worker.model_runner import ModelRunner
+
+# The builder args that mean something in one process: the engine's, the KV cache's and the
+# model's. The server's limits, placement and HTTP settings do not apply here.
+OFFLINE_ARGS = frozenset({
+    "dtype", "max_batch_prefill_tokens", "max_batch_total_tokens", "max_batch_size",
+    "waiting_served_ratio", "max_waiting_tokens", "enable_chunked_prefill",
+    "enable_prefix_caching", "block_size", "num_blocks", "kv_cache_memory",
+    "attention_backend", "cpu_threads"})
 
 
 class LLM:
-    def __init__(self, model: str, *, max_batch_prefill_tokens: int = 4096,
-                 max_batch_total_tokens: int | None = None, max_batch_size: int | None = None,
-                 waiting_served_ratio: float | None = None,
-                 max_waiting_tokens: int | None = None,
-                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = True,
-                 max_model_len: int | None = None, block_size: int = 16,
-                 num_blocks: int | None = None, kv_cache_memory: int = 1 << 30,
-                 dtype: str = "auto", device: str = "auto", attention_backend: str = "auto",
-                 cpu_threads: int | None = None, cpu_matmul: str = "auto"):
-        self.runner = ModelRunner(ShardConfig(
-            model=model, dtype=dtype, device=device, block_size=block_size, num_blocks=num_blocks,
-            kv_cache_memory=kv_cache_memory, attention_backend=attention_backend,
-            cpu_threads=cpu_threads, cpu_matmul=cpu_matmul))
-        num_blocks = self.runner.profile_num_blocks(max_batch_prefill_tokens)
-        if max_batch_total_tokens is not None:
-            num_blocks = min(num_blocks, -(-max_batch_total_tokens // block_size))
+    """`LLM(model, **args)`: `args` are the server's builder args of the same names
+    (deployments/config.py, so the defaults are the server's); `device` is `auto` (CUDA
+    where usable), `cpu` or `cuda`; `max_model_len` defaults to the model's context;
+    `cpu_matmul` picks the CPU weight products (`auto`, `onednn`, `torch`) to compare them."""
+
+    def __init__(self, model: str, *, device: str = "auto", max_model_len: int | None = None,
+                 cpu_matmul: str = "auto", **args):
+        unknown = set(args) - OFFLINE_ARGS
+        if unknown:
+            raise TypeError(f"LLM() got arguments that do not apply offline: {sorted(unknown)}")
+        app_args = AppArgs(model=model, **args)
+        self.runner = ModelRunner(dataclasses.replace(
+            app_args.shard_config(), device=device, cpu_matmul=cpu_matmul))
+        num_blocks = self.runner.profile_num_blocks(app_args.max_batch_prefill_tokens)
+        if app_args.max_batch_total_tokens is not None:
+            num_blocks = min(num_blocks,
+                             -(-app_args.max_batch_total_tokens // app_args.block_size))
         self.runner.allocate_kv_cache(num_blocks)
         mc = self.runner.model_config
         self.tokenizer = load_tokenizer(model)
-        scheduler_config = SchedulerConfig(
-            max_batch_prefill_tokens=max_batch_prefill_tokens,
-            max_batch_total_tokens=max_batch_total_tokens, max_batch_size=max_batch_size,
-            waiting_served_ratio=waiting_served_ratio, max_waiting_tokens=max_waiting_tokens,
-            enable_chunked_prefill=enable_chunked_prefill,
-            max_model_len=max_model_len or mc.max_position_embeddings)
-        cache_config = CacheConfig(block_size, num_blocks, enable_prefix_caching)
-        self.engine = LLMEngine(scheduler_config, cache_config, self.tokenizer,
+        self.engine = LLMEngine(app_args.scheduler_config(max_model_len
+                                                          or mc.max_position_embeddings),
+                                app_args.cache_config(num_blocks), self.tokenizer,
                                 mc.eos_token_ids, self.runner)
         self._ids = itertools.count()
         self._async: AsyncEngine | None = None

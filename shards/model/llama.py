@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shards.attention import AttentionBackend, AttentionMetadata
-from shards.layers import (
+from shards.model.attention import AttentionBackend, AttentionMetadata
+from shards.model.config import ModelConfig
+from shards.model.layers import (
     ColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -22,7 +23,6 @@ from shards.layers import (
     TPContext,
     VocabParallelEmbedding,
 )
-from shards.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -51,7 +51,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    kernels: Any = None  # raygen's CPU kernels (shards/layers.py use_cpu_kernels)
+    kernels: Any = None  # raygen's CPU kernels (shards/model/layers.py use_cpu_kernels)
 
     def __init__(self, config: ModelConfig, tp: TPContext, dtype: torch.dtype):
         super().__init__()

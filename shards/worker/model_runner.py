@@ -17,10 +17,17 @@ import torch.distributed as dist
 
 from engine.messages import StepInput, StepOutput
 from engine.sampling_params import SamplingParams
-from shards.attention import AttentionMetadata, CpuPagedAttentionBackend, PrefillSeq, select_backend
-from shards.cpu_plan import bind_torch_threads
-from shards.grammar import Grammars
-from shards.layers import (
+from shards.checkpoints.loader import load_weights
+from shards.cpu.plan import bind_torch_threads
+from shards.model.attention import (
+    AttentionMetadata,
+    CpuPagedAttentionBackend,
+    PrefillSeq,
+    select_backend,
+)
+from shards.model.config import ModelConfig
+from shards.model.grammar import Grammars
+from shards.model.layers import (
     PANEL_MAX_ROWS,
     TPContext,
     linear_weight_bytes,
@@ -30,10 +37,8 @@ from shards.layers import (
     time_copy_products,
     use_cpu_kernels,
 )
-from shards.loader import load_weights
-from shards.model import CausalLM
-from shards.model_config import ModelConfig
-from shards.sampler import SampleRow, sample
+from shards.model.llama import CausalLM
+from shards.model.sampler import SampleRow, sample
 from shards.shard_config import ShardConfig
 
 logger = logging.getLogger(__name__)

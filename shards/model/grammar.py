@@ -109,7 +109,7 @@ def load_tokenizer(model_dir: str, vocab_size: int):
     large vocabulary: built once, on a thread)."""
     import llguidance.hf
 
-    from shards import checkpoint
+    from shards.checkpoints import resolve as checkpoint
 
     return llguidance.hf.from_tokenizer(checkpoint.load_tokenizer(model_dir),
                                         n_vocab=vocab_size)

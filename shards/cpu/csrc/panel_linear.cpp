@@ -13,7 +13,7 @@
 // row streams the whole panel without slicing.
 //
 // AVX-512 only (the build is -march=native): elsewhere `panels_supported` is false and the
-// shards keep oneDNN and the plain K x N copy (shards/layers.py).
+// shards keep oneDNN and the plain K x N copy (shards/model/layers.py).
 #include "ops.h"
 
 #include "claim.h"

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from shards import checkpoint
-from shards.checkpoint import CheckpointError
+from shards.checkpoints import resolve as checkpoint
+from shards.checkpoints.resolve import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class ModelConfig:
     @classmethod
     def from_pretrained(cls, model: str | Path) -> ModelConfig:
         """The config of the checkpoint `model` names (a Hugging Face directory or a
-        GGUF file: shards/checkpoint.py); CheckpointError where it cannot be served."""
+        GGUF file: shards/checkpoints/resolve.py); CheckpointError where it cannot be served."""
         model_dir = Path(checkpoint.model_dir(str(model)))
         try:
             raw = json.loads((model_dir / "config.json").read_text())

@@ -96,7 +96,7 @@ def _convert(gguf_path: Path, out: Path) -> None:
     same file at once (an ingress and a batcher starting together) never see half of it."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from shards.gguf_weights import check_tensor_types
+    from shards.checkpoints.gguf_weights import check_tensor_types
 
     check_tensor_types(gguf_path)
     folder, name = str(gguf_path.parent), gguf_path.name

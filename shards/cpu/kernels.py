@@ -1,10 +1,10 @@
-"""raygen's own CPU kernels (shards/csrc), built on the machine that runs them.
+"""raygen's own CPU kernels (shards/cpu/csrc), built on the machine that runs them.
 
-    python -m shards.cpu_kernels     # build now (`make install` does); prints where
+    python -m shards.cpu.kernels     # build now (`make install` does); prints where
 
 The decode attention kernel reads K and V in place through the block table; the torch
-backend gathers them into padded tensors first (shards/attention.py). A decoder layer's
-RMSNorm and rotary embedding each run in one pass (shards/layers.py). They are built with
+backend gathers them into padded tensors first (shards/model/attention.py). A decoder layer's
+RMSNorm and rotary embedding each run in one pass (shards/model/layers.py). They are built with
 torch's C++ extension tooling into a cache directory named after the CPU's instruction
 set (and the checkout), since it is compiled for that CPU (-march=native): nodes that
 share a home directory but not a CPU build their own. Without a compiler the shards use

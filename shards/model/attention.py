@@ -124,7 +124,7 @@ class TorchAttentionBackend(AttentionBackend):
 
 
 class CpuPagedAttentionBackend(TorchAttentionBackend):
-    """CPU, float32: decodes through raygen's kernel (shards/csrc/paged_attention.cpp),
+    """CPU, float32: decodes through raygen's kernel (shards/cpu/csrc/paged_attention.cpp),
     which reads K and V in place through the block table, with neither the gather nor
     the padding to the longest sequence that the torch path pays (at batch 30 with
     contexts of 40-280 tokens: a decode step 56 -> 38 ms, benchmarks/NOTES.md 19).
@@ -186,7 +186,7 @@ def _cpu_backend(device: torch.device, dtype: torch.dtype) -> CpuPagedAttentionB
     if device.type != "cpu" or dtype != torch.float32:
         raise ValueError(f"the cpu attention backend runs float32 on CPU, not {dtype} on "
                          f"{device.type}")
-    from shards import cpu_kernels
+    from shards.cpu import kernels as cpu_kernels
 
     kernel = cpu_kernels.load()
     if kernel is None:

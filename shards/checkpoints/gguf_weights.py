@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shards.checkpoint import CheckpointError
+from shards.checkpoints.resolve import CheckpointError
 
 # GGUF name (llama.cpp's) -> Hugging Face name, for the Llama family (llama, qwen2).
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",

@@ -11,9 +11,9 @@ from typing import Any
 from safetensors import safe_open
 from torch import nn
 
-from shards.checkpoint import gguf_file
-from shards.checkpoint import model_dir as resolve_model_dir
-from shards.gguf_weights import iter_gguf
+from shards.checkpoints.gguf_weights import iter_gguf
+from shards.checkpoints.resolve import gguf_file
+from shards.checkpoints.resolve import model_dir as resolve_model_dir
 
 # checkpoint name part -> (merged module part, index within the merged parameter)
 _MERGED = {
@@ -51,7 +51,7 @@ def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, Any]]:
 
 def load_weights(model: nn.Module, checkpoint: str | Path) -> None:
     """Every parameter of `model` from the checkpoint `checkpoint` names (a Hugging Face
-    directory, or a GGUF file: shards/checkpoint.py)."""
+    directory, or a GGUF file: shards/checkpoints/resolve.py)."""
     model_dir = resolve_model_dir(str(checkpoint))
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)

@@ -1,7 +1,7 @@
 // The small ops of a decoder layer, each in one pass over its rows: eager torch runs them
 // as 5-7 ops apiece (an allocation and a dispatch each), which costs more than the
 // arithmetic at every size a step has (benchmarks/NOTES.md 44). Same formulas and, where
-// the order of operations allows, the same rounding as shards/layers.py's torch path.
+// the order of operations allows, the same rounding as shards/model/layers.py's torch path.
 #include "ops.h"
 
 #include "bounds.h"

@@ -26,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 from engine.messages import StepInput, StepOutput
-from shards import cpu_plan, logs
-from shards.layers import TPContext
-from shards.model_runner import ModelRunner, ShardConfig, resolve_device
+from shards.cpu import plan as cpu_plan
+from shards.model.layers import TPContext
+from shards.worker import logs
+from shards.worker.model_runner import ModelRunner, ShardConfig, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class ShardActor:
         return ray.get_runtime_context().get_node_id()
 
     def bind_cpus(self, local_index: int, local_count: int, group: str = "") -> list[int]:
-        """Pin this rank to its slice of the node's cores (shards/cpu_plan.py), before any
+        """Pin this rank to its slice of the node's cores (shards/cpu/plan.py), before any
         torch thread exists; the model runner then sizes torch's threads to the slice
         (Ray sets OMP_NUM_THREADS to the actor's num_cpus, 1 when 0: never used as is).
         `group` names the rank's group in the node's claims file."""
@@ -211,8 +212,6 @@ class ShardActor:
         return done.result()
 
     def _step(self, step_input: StepInput) -> StepOutput | None:
-        if self.config.debug_prefill_delay_s and step_input.new_requests:
-            time.sleep(self.config.debug_prefill_delay_s)  # tests: a long step, on purpose
         return self.runner.step(step_input)
 
     def unpark(self) -> None:
