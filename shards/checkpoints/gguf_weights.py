@@ -76,13 +76,44 @@ def check_tensor_types(path: str | Path) -> None:
                                   "type the installed gguf package cannot dequantize")
 
 
+# The quantization types whose blocks raygen's CPU kernels multiply by as they are
+# (shards/cpu/csrc/quant_linear.cpp), by the kernels' codes.
+KERNEL_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
+
+
 class GGUFSlice:
-    """One tensor, dequantized on indexing: `t[:]`, `t[a:b]` (rows) or `t[:, a:b]`."""
+    """One tensor, dequantized on indexing: `t[:]`, `t[a:b]` (rows) or `t[:, a:b]`.
+    `blocks(rows, cols)` gives the same part as the file holds it, for a type in
+    KERNEL_TYPES."""
 
     def __init__(self, tensor, num_heads: int | None):
         self.tensor = tensor
         self.num_heads = num_heads  # set for a Llama's q and k: undo llama.cpp's order
         self.shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+    @property
+    def kernel_type(self) -> str | None:
+        name = self.tensor.tensor_type.name
+        return name if name in KERNEL_TYPES and len(self.shape) == 2 else None
+
+    def blocks(self, rows: slice, cols: slice = slice(None)) -> np.ndarray | None:
+        """Rows `rows` of the tensor's quantization blocks (uint8, a row of blocks per
+        weight row) and of its columns `cols` where they fall on whole blocks; None where
+        they do not, or the type is not one the kernels read."""
+        import gguf
+
+        if self.kernel_type is None:
+            return None
+        start, stop, _ = rows.indices(self.shape[0])
+        first, last, _ = cols.indices(self.shape[1])
+        block, block_bytes = gguf.GGML_QUANT_SIZES[self.tensor.tensor_type]
+        if first % block or last % block:
+            return None
+        data = self.tensor.data[start:stop,
+                                first // block * block_bytes:last // block * block_bytes]
+        if self.num_heads is not None:
+            data = self._undo_interleave(data, start, stop)
+        return np.ascontiguousarray(data)
 
     def get_shape(self) -> list[int]:
         return list(self.shape)

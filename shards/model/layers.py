@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -56,6 +57,18 @@ def _copy(param: nn.Parameter, offset: int, tensor: torch.Tensor) -> None:
     param.data[offset : offset + tensor.shape[0]].copy_(tensor)
 
 
+def _keep_blocks(param: nn.Parameter, offset: int, loaded: Any, rows: slice,
+                 cols: slice = slice(None)) -> None:
+    """Beside the float weights, the same rows as a GGUF file's quantization blocks where
+    it holds a type raygen's kernels multiply by (`pack_quantized`)."""
+    blocks = getattr(loaded, "blocks", None)
+    data = blocks(rows, cols) if blocks is not None else None
+    if data is not None:
+        if not hasattr(param, "gguf_blocks"):
+            param.gguf_blocks = {}
+        param.gguf_blocks[offset] = (loaded.kernel_type, data)
+
+
 class _Matmul(nn.Module):
     """x W^T through torch (MKL on CPU), or through oneDNN on a weight reordered once
     for it (`pack_for_onednn`): measured on this project's AMD CPU machine, oneDNN's
@@ -85,9 +98,18 @@ class _Matmul(nn.Module):
     panel_kernels: Any = None  # shards.cpu.kernels' module, which multiplies by `panels`
     panel_rows: tuple[int, int] = (1, 0)  # the row counts (from, to) that use the panels
     weight_shape: tuple[int, int] = (0, 0)  # (N, K), kept when the weight itself is freed
+    # The weight as a GGUF file's quantization blocks (`pack_quantized`), for steps of up
+    # to `quant_rows` rows.
+    quant: torch.Tensor | None = None
+    quant_type: int = -1
+    quant_rows: int = 0
+    quant_kernels: Any = None  # shards.cpu.kernels' module, which multiplies by `quant`
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
+        if self.quant is not None and rows <= self.quant_rows:
+            return self.quant_kernels.linear_quant(x, self.quant, self.quant_type,
+                                                     self.weight_shape[0], bias)
         if self.panels is not None and self.panel_rows[0] <= rows <= self.panel_rows[1]:
             return self.panel_kernels.linear_panels(x, self.panels, self.weight_shape[0], bias)
         if self.transposed is not None and rows == 1:
@@ -96,6 +118,71 @@ class _Matmul(nn.Module):
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
+
+
+def pack_quantized(model: nn.Module, kernels: Any) -> dict[str, int]:
+    """Give every linear whose weight came whole from a GGUF file in a type the kernels
+    read (`_keep_blocks`) those blocks, one uint8 row of blocks per output row, to multiply
+    by (`_Matmul.quant`; no step uses them until `set_quant_rows`). Returns the count of
+    linears by type."""
+    from shards.checkpoints.gguf_weights import KERNEL_TYPES
+
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        parts = getattr(getattr(module, "weight", None), "gguf_blocks", None)
+        if not isinstance(module, _Matmul) or not parts:
+            continue
+        types = {kind for kind, _ in parts.values()}
+        ordered = [parts[offset][1] for offset in sorted(parts)]
+        if len(types) != 1 or sum(p.shape[0] for p in ordered) != module.weight_shape[0]:
+            continue  # merged from tensors of several types, or not every row: float only
+        kind = types.pop()
+        module.quant = torch.from_numpy(np.concatenate(ordered))
+        module.quant_type = KERNEL_TYPES[kind]
+        module.quant_kernels = kernels
+        counts[kind] = counts.get(kind, 0) + 1
+    for param in model.parameters():
+        if hasattr(param, "gguf_blocks"):
+            del param.gguf_blocks
+    return counts
+
+
+def quantized(model: nn.Module) -> list[_Matmul]:
+    return [m for m in model.modules() if isinstance(m, _Matmul) and m.quant is not None]
+
+
+def time_quant_products(model: nn.Module, rows: int, rounds: int = 3) -> tuple[float, float]:
+    """Seconds for `rows` rows through every linear that has quantization blocks: (how
+    the step multiplies without them, the blocks), each the best of `rounds` passes."""
+    linears = quantized(model)
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(rows, m.weight_shape[1], generator=generator) for m in linears]
+
+    def without() -> None:
+        for m, x in zip(linears, inputs, strict=True):
+            saved, m.quant_rows = m.quant_rows, 0
+            m.matmul(x)
+            m.quant_rows = saved
+
+    def blocks() -> None:
+        for m, x in zip(linears, inputs, strict=True):
+            m.quant_kernels.linear_quant(x, m.quant, m.quant_type, m.weight_shape[0], None)
+
+    best = [float("inf"), float("inf")]
+    for n in range(rounds + 1):
+        for i, products in enumerate((without, blocks)):
+            t0 = time.perf_counter()
+            products()
+            if n:
+                best[i] = min(best[i], time.perf_counter() - t0)
+    return best[0], best[1]
+
+
+def set_quant_rows(model: nn.Module, up_to: int) -> None:
+    """Steps of up to `up_to` rows multiply by the quantization blocks (0: none; the blocks
+    stay, a fifth of the float32 weights' memory for Q4_1)."""
+    for m in quantized(model):
+        m.quant_rows = up_to
 
 
 def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
@@ -218,6 +305,8 @@ class ColumnParallelLinear(_Matmul):
     def weight_loader(self, param: nn.Parameter, loaded: Any, index: int = 0) -> None:
         offset, start, length = self.shard_range(index)
         _copy(param, offset, _read(loaded, start, length))
+        if param is self.weight:
+            _keep_blocks(param, offset, loaded, slice(start, start + length))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -279,6 +368,7 @@ class RowParallelLinear(_Matmul):
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, index: int = 0) -> None:
         param.data.copy_(_read(loaded, self.start, param.shape[1], dim=1))
+        _keep_blocks(param, 0, loaded, slice(None), slice(self.start, self.start + param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(self.matmul(x))
@@ -302,6 +392,8 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Any, index: int = 0) -> None:
         length = max(0, min(self.part, self.vocab_size - self.start))
         _copy(param, 0, _read(loaded, self.start, length))
+        if length == self.part:  # no padding rows: the blocks cover the whole parameter
+            _keep_blocks(param, 0, loaded, slice(self.start, self.start + length))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.world_size == 1:

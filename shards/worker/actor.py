@@ -249,4 +249,7 @@ class ShardActor:
             "weight_copy": self.runner.weight_copy if self.runner else None,
             "panel_rows": self.runner.panel_rows if self.runner else None,
             "panel_timings": self.runner.panel_timings if self.runner else None,
+            # A GGUF file's quantized blocks: linears by type, and the steps that use them.
+            "quant_types": self.runner.quant_types if self.runner else None,
+            "quant_rows": self.runner.quant_rows if self.runner else None,
         }

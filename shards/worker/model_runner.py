@@ -33,8 +33,11 @@ from shards.model.layers import (
     linear_weight_bytes,
     onednn_usable,
     pack_for_onednn,
+    pack_quantized,
     set_copy_rows,
+    set_quant_rows,
     time_copy_products,
+    time_quant_products,
     use_cpu_kernels,
 )
 from shards.model.llama import CausalLM
@@ -86,6 +89,13 @@ def panels_pay(rows: int, onednn_s: float, panels_s: float) -> bool:
     return panels_s <= ratio * onednn_s
 
 
+# A GGUF file's quantized weights serve the steps of up to the most rows timed here at
+# start-up where its blocks beat the float32 path by a tenth, each timing run only where
+# the one before it passed (benchmarks/NOTES.md 56).
+QUANT_TIMED_ROWS = (1, 4, 8, 16, 32)
+QUANT_MAX_RATIO = 0.9
+
+
 @dataclass(slots=True)
 class _Seq:
     token_ids: list[int]
@@ -126,6 +136,11 @@ class ModelRunner:
         self.weight_copy: str | None = None
         self.panel_rows: tuple[int, int] | None = None
         self.panel_timings: dict[int, tuple[float, float]] | None = None
+        # A GGUF file's quantization blocks: steps of up to `quant_rows` rows multiply by
+        # them; (float path, blocks) seconds by rows timed.
+        self.quant_rows = 0
+        self.quant_types: dict[str, int] = {}
+        self.quant_timings: dict[int, tuple[float, float]] = {}
         # Torch's threads bound one per core (cpu_plan.bind_torch_threads): this thread,
         # which must be the one that runs the steps, and its OpenMP team.
         self._bound: list[int] = []  # native thread ids
@@ -201,7 +216,30 @@ class ModelRunner:
                     time.perf_counter() - t0)
         if self.one_row_weights:
             self._time_weight_copy(panels=kernels is not None)
+        quant_kernels = self.backend.kernel \
+            if isinstance(self.backend, CpuPagedAttentionBackend) else None
+        if (choice == "auto" and self.dtype == torch.float32 and quant_kernels is not None
+                and quant_kernels.quant_supported()):
+            self.quant_types = pack_quantized(self.model, quant_kernels)
+            if self.quant_types:
+                self._time_quantized()
         return "onednn"
+
+    def _time_quantized(self) -> None:
+        """Keep the quantization blocks for the steps they make faster, timed here."""
+        up_to = 0
+        for rows in QUANT_TIMED_ROWS:
+            float_s, blocks_s = self.quant_timings[rows] = time_quant_products(self.model, rows)
+            if blocks_s > QUANT_MAX_RATIO * float_s:
+                break
+            up_to = rows
+        set_quant_rows(self.model, up_to)
+        self.quant_rows = up_to
+        timings = "; ".join(f"{rows} row(s): float32 {a * 1e3:.2f} ms, blocks {b * 1e3:.2f} ms"
+                            for rows, (a, b) in self.quant_timings.items())
+        types = ", ".join(f"{n} {kind}" for kind, n in sorted(self.quant_types.items()))
+        logger.info("GGUF quantized weights (%s linears): %s: %s", types, timings,
+                    f"used for steps of 1-{up_to} rows" if up_to else "not used")
 
     def _time_weight_copy(self, panels: bool) -> None:
         """Keep the weight copy for the steps it makes faster, timed here on this rank's

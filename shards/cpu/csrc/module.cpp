@@ -15,4 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_panels", &pack_panels, "W (N x K) as ceil(N / 64) panels of K x 64 (CPU, fp32)");
   m.def("linear_panels", &linear_panels,
         "x W^T (+ bias) on pack_panels' layout, panels claimed by threads (CPU, fp32)");
+  m.def("quant_supported", &quant_supported, "whether linear_quant is built");
+  m.def("linear_quant", &linear_quant,
+        "x W^T (+ bias) on W's GGUF blocks: Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 (CPU, fp32 x)");
 }
