@@ -491,8 +491,10 @@ def requantize(model: str, weights: str, llama_cpp: Path) -> str:
         if not quantize.exists():
             raise SystemExit(f"{quantize} missing: run `make peers`")
         tmp = out.with_suffix(".tmp")
-        subprocess.run([str(quantize), "--allow-requantize", model, str(tmp), weights.upper()],
-                       check=True, stdout=subprocess.DEVNULL)
+        done = subprocess.run([str(quantize), "--allow-requantize", model, str(tmp),
+                               weights.upper()], capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"llama-quantize failed: {done.stderr[-2000:]}")
         tmp.rename(out)
     return str(out)
 
@@ -520,8 +522,8 @@ def main(argv: list[str] | None = None) -> dict:
         # same share of the machine's drift (it slowed 1.6x within one run here).
         for server in servers if n % 2 == 0 else servers[::-1]:
             print(f"== {server.name} ({server.note}), pass {n + 1}/{args.passes}", flush=True)
-            proc = start(server, out_dir / (f"{server.key}.log" if n == 0
-                                             else f"{server.key}-pass{n + 1}.log"))
+            key = server.key.replace("/", "_")  # a variant's args may hold a path
+            proc = start(server, out_dir / (f"{key}.log" if n == 0 else f"{key}-pass{n + 1}.log"))
             try:
                 for workload in workloads:
                     for c in workload.concurrency:

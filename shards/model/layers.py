@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from shards.checkpoints.gguf_weights import BF16_KERNEL_TYPE
+
 # oneDNN picks its weight layout for this many rows; 32 served every row count a step
 # has (1 to a prefill's hundreds) as well as or better than the others measured.
 ONEDNN_BATCH_HINT = 32
@@ -93,6 +95,7 @@ class _Matmul(nn.Module):
     46-48). Which row counts use them is timed at start-up too."""
 
     packed: torch.Tensor | None = None
+    packed_dtype: torch.dtype | None = None  # set where `packed` is bfloat16 for float32 x
     transposed: torch.Tensor | None = None
     panels: torch.Tensor | None = None
     panel_kernels: Any = None  # shards.cpu.kernels' module, which multiplies by `panels`
@@ -114,6 +117,10 @@ class _Matmul(nn.Module):
             return self.panel_kernels.linear_panels(x, self.panels, self.weight_shape[0], bias)
         if self.transposed is not None and rows == 1:
             out = torch.mm(x, self.transposed)
+            return out if bias is None else out.add_(bias)
+        if self.packed is not None and self.packed_dtype is not None:  # bfloat16 weights
+            out = torch.ops.mkldnn._linear_pointwise(x.to(self.packed_dtype), self.packed,
+                                                     None, "none", [], "").float()
             return out if bias is None else out.add_(bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
@@ -250,11 +257,16 @@ def set_copy_rows(model: nn.Module, one_row: bool, up_to: int) -> tuple[int, int
 
 
 def pack_for_onednn(model: nn.Module, batch_hint: int = ONEDNN_BATCH_HINT,
-                    one_row_copy: bool = False, panel_kernels: Any = None) -> int:
+                    one_row_copy: bool = False, panel_kernels: Any = None,
+                    weight_dtype: torch.dtype | None = None, block_kernels: Any = None) -> int:
     """Reorder every linear weight into oneDNN's blocked layout; a weight that nothing
     else shares (the embedding, when tied) is then freed, so memory stays one copy, or two
     with `one_row_copy` (each weight also kept K x N for one-row products, or as panels
-    with `panel_kernels` for float32 weights; `_Matmul`). Returns the bytes packed."""
+    with `panel_kernels` for float32 weights; `_Matmul`). With `weight_dtype` (bfloat16
+    for a float32 model) the packed weights take that type, and no copy is made; with
+    `block_kernels` too, each bfloat16 weight also serves raygen's block kernel
+    (`_Matmul.quant`, the same tensor viewed as bytes; `set_quant_rows` turns it on).
+    Returns the bytes packed."""
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
@@ -263,15 +275,22 @@ def pack_for_onednn(model: nn.Module, batch_hint: int = ONEDNN_BATCH_HINT,
         if not isinstance(module, _Matmul):
             continue
         weight = module.weight
-        module.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint)
+        source = weight.detach() if weight_dtype is None else weight.detach().to(weight_dtype)
+        module.packed = torch.ops.mkldnn._reorder_linear_weight(source, batch_hint)
+        module.packed_dtype = weight_dtype
         module.weight_shape = tuple(weight.shape)
+        if (block_kernels is not None and weight_dtype == torch.bfloat16
+                and weight.shape[1] % 32 == 0):
+            module.quant = source.contiguous().view(torch.uint8)
+            module.quant_type, module.quant_kernels = BF16_KERNEL_TYPE, block_kernels
+        one_row_copy = one_row_copy and weight_dtype is None
         if one_row_copy and panel_kernels is not None and weight.dtype == torch.float32:
             module.panels = panel_kernels.pack_panels(weight.detach())
             module.panel_kernels = panel_kernels
             module.panel_rows = (1, PANEL_MAX_ROWS)
         elif one_row_copy:
             module.transposed = weight.detach().t().contiguous()
-        packed += weight.numel() * weight.element_size()
+        packed += source.numel() * source.element_size()
         if uses[id(weight)] == 1:
             weight.data = weight.data.new_empty(0)
     return packed

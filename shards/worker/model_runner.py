@@ -34,6 +34,7 @@ from shards.model.layers import (
     onednn_usable,
     pack_for_onednn,
     pack_quantized,
+    quantized,
     set_copy_rows,
     set_quant_rows,
     time_copy_products,
@@ -114,6 +115,14 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def cpu_bf16_products() -> bool:
+    """Whether oneDNN multiplies bfloat16 natively on this CPU (avx512_bf16, AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def resolve_dtype(name: str, device: torch.device, checkpoint: torch.dtype) -> torch.dtype:
     if name == "auto":
         return checkpoint if device.type == "cuda" else torch.float32
@@ -156,6 +165,17 @@ class ModelRunner:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
+        # bfloat16 on a CPU with native bf16 products: the weights are multiplied in
+        # bfloat16 by oneDNN (fp32 accumulation, half of float32's bytes to stream), and the
+        # rest (activations, attention, the KV cache) stays float32, where raygen's CPU
+        # kernels run; a bfloat16 model in torch ran slower than float32 here
+        # (benchmarks/NOTES.md 56).
+        self.weight_dtype = self.dtype
+        if (self.device.type == "cpu" and self.dtype == torch.bfloat16
+                and config.cpu_matmul != "torch" and cpu_bf16_products()):
+            self.dtype = torch.float32
+            logger.info("bfloat16 weight products (oneDNN, fp32 accumulation); activations, "
+                        "attention and KV cache in float32")
         self.backend = select_backend(config.attention_backend, self.device, self.dtype,
                                       config.block_size)
         logger.info("attention backend: %s", self.backend.name)
@@ -187,6 +207,19 @@ class ModelRunner:
                              f"with oneDNN (here: {self.device.type}, {self.dtype})")
         if choice == "torch" or not usable:
             return "torch"
+        if self.weight_dtype != self.dtype:  # bfloat16 weights: oneDNN, and few-row steps
+            kernels = self.backend.kernel \
+                if isinstance(self.backend, CpuPagedAttentionBackend) else None
+            if kernels is not None and not kernels.quant_supported():
+                kernels = None
+            size = pack_for_onednn(self.model, weight_dtype=self.weight_dtype,
+                                   block_kernels=kernels)
+            logger.info("weights reordered for oneDNN in %s: %.0f MB", self.weight_dtype,
+                        size / 2**20)
+            self.quant_types = {"BF16": n} if (n := len(quantized(self.model))) else {}
+            if self.quant_types:
+                self._time_quantized()
+            return "onednn"
         # One-row products (a batch-1 step) may be faster through MKL on a second, K x N
         # copy of the weights: it depends on the CPU and the threads (benchmarks/NOTES.md
         # 31, 45), so the copy is timed against oneDNN below and kept only where it pays.
@@ -226,7 +259,8 @@ class ModelRunner:
         return "onednn"
 
     def _time_quantized(self) -> None:
-        """Keep the quantization blocks for the steps they make faster, timed here."""
+        """Keep the quantization blocks (or the bfloat16 kernel) for the steps they make
+        faster, timed here."""
         up_to = 0
         for rows in QUANT_TIMED_ROWS:
             float_s, blocks_s = self.quant_timings[rows] = time_quant_products(self.model, rows)
@@ -235,10 +269,10 @@ class ModelRunner:
             up_to = rows
         set_quant_rows(self.model, up_to)
         self.quant_rows = up_to
-        timings = "; ".join(f"{rows} row(s): float32 {a * 1e3:.2f} ms, blocks {b * 1e3:.2f} ms"
+        timings = "; ".join(f"{rows} row(s): {a * 1e3:.2f} ms without, {b * 1e3:.2f} ms with"
                             for rows, (a, b) in self.quant_timings.items())
         types = ", ".join(f"{n} {kind}" for kind, n in sorted(self.quant_types.items()))
-        logger.info("GGUF quantized weights (%s linears): %s: %s", types, timings,
+        logger.info("raygen's block kernel (%s linears): %s: %s", types, timings,
                     f"used for steps of 1-{up_to} rows" if up_to else "not used")
 
     def _time_weight_copy(self, panels: bool) -> None:

@@ -34,6 +34,18 @@ def test_products_equal_the_dequantized_weights(kind, rows):
     assert not torch.equal(got, x @ weight.T)  # the quantization is in it, not the floats
 
 
+@pytest.mark.parametrize("rows", [1, 4, 9])
+def test_bfloat16_weights_times_float32_rows_equal_the_widened_weights(rows):
+    from shards.checkpoints.gguf_weights import BF16_KERNEL_TYPE
+
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(37, 64, generator=generator).to(torch.bfloat16)
+    x = torch.randn(rows, 64, generator=generator)
+    got = kernels.linear_quant(x, weight.view(torch.uint8), BF16_KERNEL_TYPE, 37, None)
+    want = (x.double() @ weight.double().T).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_blocks_are_refused_with_the_shapes():
     x = torch.zeros(1, 64)
     with pytest.raises(RuntimeError, match="is not 8 rows of 2 blocks"):

@@ -17,5 +17,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x W^T (+ bias) on pack_panels' layout, panels claimed by threads (CPU, fp32)");
   m.def("quant_supported", &quant_supported, "whether linear_quant is built");
   m.def("linear_quant", &linear_quant,
-        "x W^T (+ bias) on W's GGUF blocks: Q4_0 = 0, Q4_1 = 1, Q8_0 = 2 (CPU, fp32 x)");
+        "x W^T (+ bias) on W's GGUF blocks: Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, BF16 = 3 (CPU, fp32 x)");
 }

@@ -27,8 +27,8 @@ at::Tensor pack_panels(at::Tensor weight);
 at::Tensor linear_panels(at::Tensor x, at::Tensor panels, int64_t out_features,
                          std::optional<at::Tensor> bias);
 
-// x W^T on W as GGUF quantization blocks (Q4_0 = 0, Q4_1 = 1, Q8_0 = 2), unpacked in
-// registers (quant_linear.cpp).
+// x W^T on W as GGUF quantization blocks (Q4_0 = 0, Q4_1 = 1, Q8_0 = 2) or bfloat16 (3),
+// unpacked in registers (quant_linear.cpp).
 bool quant_supported();
 at::Tensor linear_quant(at::Tensor x, at::Tensor weight, int64_t type, int64_t out_features,
                         std::optional<at::Tensor> bias);

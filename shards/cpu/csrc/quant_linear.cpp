@@ -1,5 +1,6 @@
 // x W^T with W as a GGUF file holds it: rows of quantization blocks (Q4_0, Q4_1, Q8_0),
-// unpacked in registers, never dequantized into memory.
+// unpacked in registers, never dequantized into memory; and with W in bfloat16 (`BF16`:
+// each weight widened to float32 in registers, so x stays float32).
 //
 // A decode step at batch 1 streams every weight once, so it runs at the speed memory
 // delivers the weights: a Q4_1 weight is 5 bits against float32's 32. Each block holds 32
@@ -30,7 +31,7 @@
 
 namespace {
 
-enum QuantType : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+enum QuantType : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kBF16 = 3 };
 constexpr int64_t kBlock = 32;     // weights per block
 constexpr int64_t kTaskRows = 16;  // output rows per claimed task
 
@@ -39,6 +40,7 @@ int64_t block_bytes(int64_t type) {
     case kQ4_0: return 18;  // d, 16 bytes of nibbles
     case kQ4_1: return 20;  // d, m, 16 bytes of nibbles
     case kQ8_0: return 34;  // d, 32 int8
+    case kBF16: return 64;  // 32 bfloat16, no scale
     default: return 0;
   }
 }
@@ -55,6 +57,15 @@ inline float half_at(const uint8_t* p) {
 // The block's 32 quants as two vectors of 16 floats (weights 0-15, 16-31), and its d, m.
 template <int64_t T>
 inline void unpack(const uint8_t* blk, __m512& lo, __m512& hi, float& d, float& m) {
+  if constexpr (T == kBF16) {  // the upper half of a float32: shift into place
+    d = 1.0f;
+    m = 0.0f;
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32));
+    lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(a), 16));
+    hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+    return;
+  }
   d = half_at(blk);
   if constexpr (T == kQ8_0) {
     m = 0.0f;
@@ -86,15 +97,26 @@ inline void dot_tile(const float* x, int64_t K, const float* sums, int64_t nb, c
       acc[r][n] = _mm512_setzero_ps();
       mins[r][n] = 0.0f;
     }
-  constexpr int64_t bytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : 34;
+  constexpr int64_t bytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ8_0 ? 34 : 64;
   for (int64_t b = 0; b < nb; ++b) {
     __m512 lo[NR], hi[NR];
     float d[NR], m[NR];
-    for (int n = 0; n < NR; ++n) unpack<T>(w + n * row_bytes + b * bytes, lo[n], hi[n], d[n], m[n]);
+    for (int n = 0; n < NR; ++n) {
+      const uint8_t* blk = w + n * row_bytes + b * bytes;
+      // The next tile's same block, a tile ahead: rows of a few hundred bytes each end
+      // before the hardware prefetcher ramps up (17.7 against 41.7 GB/s for oneDNN on a
+      // bfloat16 weight past the cache, before this; benchmarks/NOTES.md 56).
+      _mm_prefetch(reinterpret_cast<const char*>(blk + NR * row_bytes), _MM_HINT_T0);
+      unpack<T>(blk, lo[n], hi[n], d[n], m[n]);
+    }
     for (int r = 0; r < MR; ++r) {
       const float* xb = x + r * K + b * kBlock;
       const __m512 xlo = _mm512_loadu_ps(xb), xhi = _mm512_loadu_ps(xb + 16);
       for (int n = 0; n < NR; ++n) {
+        if constexpr (T == kBF16) {
+          acc[r][n] = _mm512_fmadd_ps(xhi, hi[n], _mm512_fmadd_ps(xlo, lo[n], acc[r][n]));
+          continue;
+        }
         const __m512 p = _mm512_fmadd_ps(xhi, hi[n], _mm512_mul_ps(xlo, lo[n]));
         acc[r][n] = _mm512_fmadd_ps(_mm512_set1_ps(d[n]), p, acc[r][n]);
         if constexpr (T != kQ8_0) mins[r][n] += m[n] * sums[r * nb + b];
@@ -128,7 +150,7 @@ void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row
              int64_t N, const float* bias, float* out) {
   const int64_t nb = K / kBlock;
   std::vector<float> sums(M * nb, 0.0f);  // x's block sums (the min term)
-  if (T != kQ8_0)
+  if (T == kQ4_0 || T == kQ4_1)
     for (int64_t r = 0; r < M; ++r)
       for (int64_t b = 0; b < nb; ++b) {
         float s = 0.0f;
@@ -209,9 +231,13 @@ at::Tensor linear_quant(at::Tensor x, at::Tensor weight, int64_t type, int64_t o
       few ? product<kQ4_1, 4, 4>(xp, M, K, wp, row_bytes, out_features, b, op)
           : product<kQ4_1, 2, 8>(xp, M, K, wp, row_bytes, out_features, b, op);
       break;
-    default:
+    case kQ8_0:
       few ? product<kQ8_0, 4, 4>(xp, M, K, wp, row_bytes, out_features, b, op)
           : product<kQ8_0, 2, 8>(xp, M, K, wp, row_bytes, out_features, b, op);
+      break;
+    default:
+      few ? product<kBF16, 4, 4>(xp, M, K, wp, row_bytes, out_features, b, op)
+          : product<kBF16, 2, 8>(xp, M, K, wp, row_bytes, out_features, b, op);
       break;
   }
 #endif
