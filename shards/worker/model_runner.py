@@ -37,9 +37,11 @@ from shards.model.layers import (
     quantized,
     set_copy_rows,
     set_quant_rows,
+    time_bf16_products,
     time_copy_products,
     time_quant_products,
     use_cpu_kernels,
+    widen_bf16_weights,
 )
 from shards.model.llama import CausalLM
 from shards.model.sampler import SampleRow, sample
@@ -95,6 +97,10 @@ def panels_pay(rows: int, onednn_s: float, panels_s: float) -> bool:
 # the one before it passed (benchmarks/NOTES.md 56).
 QUANT_TIMED_ROWS = (1, 4, 8, 16, 32)
 QUANT_MAX_RATIO = 0.9
+# bfloat16 weights: steps bigger than the block kernel's go through float32 copies of them
+# where oneDNN's float32 product takes at most this share of its bfloat16 one at 128 rows.
+BF16_TIMED_ROWS = 128
+BF16_WIDEN_RATIO = 0.8
 
 
 @dataclass(slots=True)
@@ -150,6 +156,7 @@ class ModelRunner:
         self.quant_rows = 0
         self.quant_types: dict[str, int] = {}
         self.quant_timings: dict[int, tuple[float, float]] = {}
+        self.bf16_timings: tuple[float, float] | None = None  # (bf16, widened) at 128 rows
         # Torch's threads bound one per core (cpu_plan.bind_torch_threads): this thread,
         # which must be the one that runs the steps, and its OpenMP team.
         self._bound: list[int] = []  # native thread ids
@@ -218,6 +225,15 @@ class ModelRunner:
                         size / 2**20)
             self.quant_types = {"BF16": n} if (n := len(quantized(self.model))) else {}
             if self.quant_types:
+                # Bigger steps: oneDNN in bfloat16, or in float32 on the widened weights
+                # where that is faster (this Xeon emulates bf16: 2x slower at 128 rows).
+                self.bf16_timings = time_bf16_products(self.model, BF16_TIMED_ROWS)
+                if self.bf16_timings[1] < BF16_WIDEN_RATIO * self.bf16_timings[0]:
+                    widen_bf16_weights(self.model)
+                    self.weight_copy = "float32, widened from bfloat16"
+                logger.info("%d rows: oneDNN bfloat16 %.2f ms, float32 %.2f ms: %s",
+                            BF16_TIMED_ROWS, *(t * 1e3 for t in self.bf16_timings),
+                            self.weight_copy or "bfloat16 kept")
                 self._time_quantized()
             return "onednn"
         # One-row products (a batch-1 step) may be faster through MKL on a second, K x N

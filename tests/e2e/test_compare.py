@@ -116,3 +116,29 @@ def test_help_prints(capsys):
     with pytest.raises(SystemExit) as exit_:
         parse_args(["--help"])
     assert exit_.value.code == 0 and "after %:" in capsys.readouterr().out
+
+
+def test_llama_cpp_serves_the_same_gguf_file_and_is_skipped_without_its_build(tmp_path,
+                                                                              llama_dir):
+    """No server starts here: the llama.cpp peer's command serves the GGUF --model with a
+    slot per request, and is left out (saying why) without its build or a GGUF model."""
+    from benchmarks.compare import make_servers, parse_args
+    from tests.reference import smollm2_gguf
+
+    binary = tmp_path / "build" / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    gguf = str(smollm2_gguf())
+    args = parse_args(["--model", gguf, "--servers", "raygen-tp1,llama-server",
+                       "--llama-cpp", str(tmp_path)])
+    assert args.dtype == "float32" and args.tokenizer != args.model  # the converted dir
+    raygen, llama = make_servers(args)
+    assert raygen.key == "raygen-tp1"
+    assert llama.command[:3] == [str(binary), "-m", args.model]
+    assert llama.command[llama.command.index("-np") + 1] == "32"
+    for argv in (["--model", gguf, "--llama-cpp", str(tmp_path / "none")],
+                 ["--model", llama_dir, "--llama-cpp", str(tmp_path)]):
+        assert make_servers(parse_args([*argv, "--servers", "llama-server"])) == []
+    with pytest.raises(SystemExit, match="needs a GGUF --model"):
+        parse_args(["--model", llama_dir, "--weights", "F32"])
