@@ -175,14 +175,7 @@ def time_quant_products(model: nn.Module, rows: int, rounds: int = 3) -> tuple[f
         for m, x in zip(linears, inputs, strict=True):
             m.quant_kernels.linear_quant(x, m.quant, m.quant_type, m.weight_shape[0], None)
 
-    best = [float("inf"), float("inf")]
-    for n in range(rounds + 1):
-        for i, products in enumerate((without, blocks)):
-            t0 = time.perf_counter()
-            products()
-            if n:
-                best[i] = min(best[i], time.perf_counter() - t0)
-    return best[0], best[1]
+    return _best_of(rounds, without, blocks)
 
 
 def widen_bf16_weights(model: nn.Module) -> int:
@@ -246,6 +239,19 @@ def _copied(model: nn.Module) -> list[_Matmul]:
             and (m.transposed is not None or m.panels is not None)]
 
 
+def _best_of(rounds: int, first, second) -> tuple[float, float]:
+    """Seconds of each of two ways to run the same products, the best of `rounds` passes,
+    the two alternating after one pass each to warm up."""
+    best = [float("inf"), float("inf")]
+    for n in range(rounds + 1):
+        for i, products in enumerate((first, second)):
+            t0 = time.perf_counter()
+            products()
+            if n:
+                best[i] = min(best[i], time.perf_counter() - t0)
+    return best[0], best[1]
+
+
 def time_copy_products(model: nn.Module, rows: int = 1,
                        rounds: int = 3) -> tuple[float, float]:
     """Seconds for `rows` rows through every linear that has a copy of its weight:
@@ -268,14 +274,7 @@ def time_copy_products(model: nn.Module, rows: int = 1,
             else:
                 torch.mm(x, m.transposed)
 
-    best = [float("inf"), float("inf")]
-    for n in range(rounds + 1):
-        for i, products in enumerate((onednn, copy)):
-            t0 = time.perf_counter()
-            products()
-            if n:
-                best[i] = min(best[i], time.perf_counter() - t0)
-    return best[0], best[1]
+    return _best_of(rounds, onednn, copy)
 
 
 def set_copy_rows(model: nn.Module, one_row: bool, up_to: int) -> tuple[int, int] | None:

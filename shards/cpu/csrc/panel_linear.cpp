@@ -16,6 +16,7 @@
 // shards keep oneDNN and the plain K x N copy (shards/model/layers.py).
 #include "ops.h"
 
+#include "bias.h"
 #include "claim.h"
 
 #include <ATen/Parallel.h>
@@ -200,14 +201,8 @@ at::Tensor linear_panels(at::Tensor x, at::Tensor panels, int64_t out_features,
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0), K = xc.size(1), P = (out_features + kPanel - 1) / kPanel;
   at::Tensor out = at::empty({M, out_features}, xc.options());
-  const float* b = nullptr;
   at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.numel() == out_features && bc.scalar_type() == at::kFloat,
-                "linear_panels: bias of ", out_features, " float32 values");
-    b = bc.data_ptr<float>();
-  }
+  const float* b = bias_data(bias, out_features, "linear_panels", bc);
   if (M == 0) return out;
 #if defined(__AVX512F__)
   const float* xp = xc.data_ptr<float>();

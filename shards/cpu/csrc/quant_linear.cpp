@@ -18,6 +18,7 @@
 // keep the float32 weights (shards/model/layers.py).
 #include "ops.h"
 
+#include "bias.h"
 #include "claim.h"
 
 #include <algorithm>
@@ -207,14 +208,8 @@ at::Tensor linear_quant(at::Tensor x, at::Tensor weight, int64_t type, int64_t o
   const at::Tensor xc = x.contiguous();
   const int64_t M = xc.size(0);
   at::Tensor out = at::empty({M, out_features}, xc.options());
-  const float* b = nullptr;
   at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.numel() == out_features && bc.scalar_type() == at::kFloat,
-                "linear_quant: bias of ", out_features, " float32 values");
-    b = bc.data_ptr<float>();
-  }
+  const float* b = bias_data(bias, out_features, "linear_quant", bc);
   if (M == 0) return out;
 #if defined(__AVX512F__)
   const float* xp = xc.data_ptr<float>();
