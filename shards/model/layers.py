@@ -148,10 +148,15 @@ def pack_quantized(model: nn.Module, kernels: Any) -> dict[str, int]:
         module.quant_type = KERNEL_TYPES[kind]
         module.quant_kernels = kernels
         counts[kind] = counts.get(kind, 0) + 1
+    drop_gguf_blocks(model)
+    return counts
+
+
+def drop_gguf_blocks(model: nn.Module) -> None:
+    """Free the blocks `_keep_blocks` put beside the weights (what no linear took)."""
     for param in model.parameters():
         if hasattr(param, "gguf_blocks"):
             del param.gguf_blocks
-    return counts
 
 
 def quantized(model: nn.Module) -> list[_Matmul]:

@@ -30,6 +30,7 @@ from shards.model.grammar import Grammars
 from shards.model.layers import (
     PANEL_MAX_ROWS,
     TPContext,
+    drop_gguf_blocks,
     linear_weight_bytes,
     onednn_usable,
     pack_for_onednn,
@@ -191,6 +192,7 @@ class ModelRunner:
         load_weights(self.model, config.model)
         self.model.eval()
         self.matmul = self._pack_weights(config.cpu_matmul)
+        drop_gguf_blocks(self.model)  # a path that multiplies by none of them
         # With raygen's CPU attention kernel come its norm and rotary kernels (the torch
         # backend stays the pure-torch reference).
         if isinstance(self.backend, CpuPagedAttentionBackend):
