@@ -50,11 +50,11 @@ class Grammars:
     def mask(self, logits: torch.Tensor, request_ids: list[str]) -> dict[str, str]:
         """Mask each constrained row in place; returns request id -> error for rows whose
         matcher failed (their row is left as it was, and the request must end)."""
-        import llguidance.torch as lt
-
         rows = [(i, rid) for i, rid in enumerate(request_ids) if rid in self._matchers]
         if not rows:
             return {}
+        import llguidance.torch as lt
+
         errors: dict[str, str] = {}
         bitmask = lt.allocate_token_bitmask(len(rows), self.vocab_size)
         masked = []
