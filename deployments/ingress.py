@@ -60,7 +60,8 @@ def _openapi() -> dict:
 app.openapi = _openapi
 
 
-@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024)
+@serve.deployment(name="Ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1024,
+                  graceful_shutdown_wait_loop_s=0.5)
 @serve.ingress(app)
 class Ingress:
     def __init__(self, batcher, args: AppArgs, metrics_hub=None):

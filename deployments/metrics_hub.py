@@ -78,7 +78,8 @@ def _escape(text: str, help_text: bool = False) -> str:
 
 
 @serve.deployment(name="Metrics", num_replicas=1, ray_actor_options={"num_cpus": 0},
-                  max_ongoing_requests=10_000, logging_config={"enable_access_log": False})
+                  max_ongoing_requests=10_000, logging_config={"enable_access_log": False},
+                  graceful_shutdown_wait_loop_s=0.5)
 class MetricsHub:
     def __init__(self):
         self.reports: dict[str, tuple[float, list[Family]]] = {}

@@ -24,8 +24,8 @@ PORT = 8126
 BASE = f"http://127.0.0.1:{PORT}"
 # Longer than the old deadlines: the watchdog interval (1 s), the shard health-check call
 # (10 s, queued behind the step) and Ray's compiled-graph read (RAY_CGRAPH_get_timeout, 10 s);
-# Serve health-checks the replica every 5 s, so about three checks fall inside each step.
-LONG_STEP_S = 15.0
+# Serve health-checks the batcher replica every 2 s (health_check_period_s), five times a step.
+LONG_STEP_S = 11.0
 APPS = {"tp2": {"tensor_parallel_size": 2}, "tp1": {"cpu_threads": 1}}
 
 
@@ -34,9 +34,9 @@ def apps(llama_dir):
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
              runtime_env=slow_steps_runtime_env({llama_dir: LONG_STEP_S}))
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
-    for name, knobs in APPS.items():
-        serve.run(build_app(AppArgs(model=llama_dir, num_blocks=256, **knobs)),
-                  name=name, route_prefix=f"/{name}")
+    serve.run_many([  # deployed together: their replicas start side by side
+        serve.RunTarget(build_app(AppArgs(model=llama_dir, num_blocks=256, **knobs)),
+                        name=name, route_prefix=f"/{name}") for name, knobs in APPS.items()])
     yield
     serve.shutdown()
     ray.shutdown()

@@ -1,24 +1,34 @@
 """`serve run deployments.app:build_app model=...`: the builder starts Ray in Serve's
 throughput mode itself (`serve_throughput_mode`), so this way in serves as the shipped
-config does (test_serve_run.py runs the full client suite there); here, what differs."""
+config does (test_serve_run.py runs the full client suite there); here, what differs, and
+constrained output through the official clients on the same server: TGI's grammar,
+OpenAI's response_format and tools, refusals of bad grammars before queueing."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 import yaml
-from text_generation import Client
+from openai import BadRequestError, OpenAI
+from text_generation import AsyncClient, Client
+from text_generation.errors import ValidationError
+from text_generation.types import Grammar, GrammarType
 
 from benchmarks.disconnects import run_round
 from deployments.offline import LLM
 from engine.sampling_params import SamplingParams
 from tests.e2e.serving import BASE, ROOT, listener, replica_environ, serve_run
+from tests.shards.test_grammar import REGEXES, SCHEMAS
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +63,224 @@ def test_streams_equal_offline_and_leaving_clients_are_aborted(server, llama_dir
     assert result.aborted == 16
 
 
+# -- constrained output ------------------------------------------------------------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 16},
+        "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+        "required": ["zone"], "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MESSAGES = [{"role": "user", "content": "Tona sefi mole?"}]
+
+
+@pytest.fixture(scope="module")
+def openai_client(server):
+    return OpenAI(base_url=BASE + "/v1", api_key="unused", timeout=120)
+
+
+def test_tgi_json_grammar_validates_and_ends_by_eos(server):
+    client = Client(BASE, timeout=120)
+    for i, schema in enumerate(SCHEMAS):
+        value = schema if i % 2 == 0 else json.dumps(schema)  # TGI takes either
+        grammar = Grammar(type=GrammarType.Json, value=value)
+        response = client.generate(f"Kari {i}", max_new_tokens=200, grammar=grammar,
+                                   do_sample=True, seed=i)
+        jsonschema.validate(json.loads(response.generated_text), schema)
+        assert response.details.finish_reason.value == "eos_token"
+        streamed = list(client.generate_stream(f"Kari {i}", max_new_tokens=200, grammar=grammar,
+                                               do_sample=True, seed=i))
+        assert streamed[-1].generated_text == response.generated_text
+        assert "".join(s.token.text for s in streamed if not s.token.special) \
+            == response.generated_text
+
+
+def test_tgi_grammar_composes_with_best_of_and_stop(server):
+    schema = SCHEMAS[0]
+    body = {"inputs": "Kari", "parameters": {
+        "max_new_tokens": 100, "best_of": 2, "do_sample": True, "details": True,
+        "grammar": {"type": "json", "value": schema}}}
+    answer = httpx.post(BASE + "/generate", json=body, timeout=120).json()
+    texts = [answer["generated_text"]] + [s["generated_text"] for s in
+                                          answer["details"]["best_of_sequences"]]
+    for text in texts:
+        jsonschema.validate(json.loads(text), schema)
+    # A stop sequence still ends it early (TGI keeps the stop sequence in the text).
+    client = Client(BASE, timeout=120)
+    grammar = Grammar(type=GrammarType.Json, value=schema)
+    stopped = client.generate("Kari", max_new_tokens=100, grammar=grammar, stop_sequences=[","])
+    assert stopped.details.finish_reason.value == "stop_sequence"
+    assert stopped.generated_text.startswith("{") and stopped.generated_text.endswith(",")
+
+
+def test_tgi_regex_grammar_fullmatches(server):
+    client = Client(BASE, timeout=120)
+    for pattern in REGEXES:
+        grammar = Grammar(type=GrammarType.Regex, value=pattern)
+        text = client.generate("Zuti", max_new_tokens=40, grammar=grammar).generated_text
+        assert re.fullmatch(pattern, text)
+        streamed = list(client.generate_stream("Zuti", max_new_tokens=40, grammar=grammar))
+        assert streamed[-1].generated_text == text
+    body = {"inputs": "Zuti", "parameters": {"max_new_tokens": 20,
+                                             "grammar": {"type": "regex", "value": "(yes|no)"}}}
+    compat = httpx.post(BASE + "/", json=body, timeout=60).json()
+    assert re.fullmatch("(yes|no)", compat[0]["generated_text"])
+
+
+def test_openai_response_format(openai_client):
+    for i, schema in enumerate(SCHEMAS):
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
+        chat = openai_client.chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=200, response_format=fmt, seed=i)
+        jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+        assert chat.choices[0].finish_reason == "stop"
+    schema = SCHEMAS[1]
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema,
+                                                  "strict": True}}
+    chat = openai_client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=200,
+                                                 response_format=fmt, n=2, temperature=1.0,
+                                                 seed=3, logprobs=True)
+    for choice in chat.choices:
+        jsonschema.validate(json.loads(choice.message.content), schema)
+        assert choice.finish_reason == "stop"
+        assert "".join(t.token for t in choice.logprobs.content) == choice.message.content
+    text = "".join(c.choices[0].delta.content or "" for c in openai_client.chat.completions.create(
+        model="m", messages=MESSAGES, max_tokens=200, response_format=fmt, stream=True))
+    jsonschema.validate(json.loads(text), schema)
+    for seed in range(3):  # any object: unbounded, so it may run out of tokens
+        obj = openai_client.chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=100, seed=seed,
+            response_format={"type": "json_object"}).choices[0]
+        if obj.finish_reason == "stop":
+            assert isinstance(json.loads(obj.message.content), dict)
+        else:
+            assert obj.finish_reason == "length" and obj.message.content.startswith("{")
+    completion = openai_client.completions.create(model="m", prompt="Tona", max_tokens=200,
+                                                  extra_body={"response_format": fmt})
+    jsonschema.validate(json.loads(completion.choices[0].text), schema)
+    # max_tokens still bounds it: cut short, the text is what was made, "length".
+    short = openai_client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=3,
+                                                  response_format=fmt)
+    assert short.choices[0].finish_reason == "length"
+    assert short.usage.completion_tokens == 3
+
+
+def _check_call(call) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_time"}}])
+def test_openai_tools_stream_and_not(openai_client, choice):
+    kwargs = dict(model="m", messages=MESSAGES, max_tokens=200, tools=TOOLS, tool_choice=choice,
+                  temperature=0)
+    chat = openai_client.chat.completions.create(**kwargs)
+    message = chat.choices[0].message
+    assert chat.choices[0].finish_reason == "tool_calls" and message.content is None
+    (call,) = message.tool_calls
+    _check_call(call)
+    if isinstance(choice, dict):
+        assert call.function.name == "get_time"
+    chunks = list(openai_client.chat.completions.create(**kwargs, stream=True))
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].id and deltas[0].function.name == call.function.name
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_openai_tools_auto_and_none(openai_client):
+    for seed in range(3):
+        chat = openai_client.chat.completions.create(
+            model="m", messages=MESSAGES, max_tokens=200, tools=TOOLS, temperature=1.0,
+            seed=seed)
+        choice = chat.choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls"
+            _check_call(choice.message.tool_calls[0])
+        elif choice.finish_reason == "stop":  # it chose to answer: the text, no envelope
+            assert not choice.message.content.startswith('{"name"')
+        else:  # an answer cut short by max_tokens comes back as written
+            assert choice.finish_reason == "length"
+            assert choice.message.content.startswith('{"name":"no_tool"')
+    none = openai_client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=8,
+                                                 tools=TOOLS, tool_choice="none")
+    assert none.choices[0].message.tool_calls is None
+
+
+def test_mixed_batch_unconstrained_equal_offline(server, llama_dir):
+    offline = LLM(llama_dir, num_blocks=256)
+    prompts = ["Hello kari", "Tona sefi mole dasu", "ka"]
+    expected = [offline.generate([p], SamplingParams(max_new_tokens=16))[0].token_ids
+                for p in prompts]
+    client = AsyncClient(BASE, timeout=120)
+    grammar = Grammar(type=GrammarType.Json, value=SCHEMAS[0])
+
+    async def run():
+        free = [client.generate(p, max_new_tokens=16)
+                for p in prompts]
+        constrained = [client.generate(f"Sefi {i}", max_new_tokens=100, grammar=grammar,
+                                       do_sample=True, seed=i) for i in range(4)]
+        return await asyncio.gather(*free, *constrained)
+
+    results = asyncio.run(run())
+    for response, ids in zip(results[:3], expected, strict=True):
+        assert [t.id for t in response.details.tokens] == ids
+    for response in results[3:]:
+        jsonschema.validate(json.loads(response.generated_text), SCHEMAS[0])
+
+
+BAD_TGI = [
+    ({"type": "json", "value": {"type": "object", "properties": {"a": {"type": "nope"}}}},
+     "Invalid grammar"),
+    ({"type": "json", "value": "{not json"}, "Invalid grammar"),
+    ({"type": "regex", "value": "["}, "Invalid grammar"),
+    ({"type": "regex", "value": "(x{1000}){1000}"}, "Invalid grammar"),  # pathological
+    ({"type": "lark", "value": "start: 'a'"}, "unknown grammar type"),
+]
+
+
+@pytest.mark.parametrize(("grammar", "message"), BAD_TGI)
+def test_tgi_bad_grammars_are_refused_with_422(server, grammar, message):
+    body = {"inputs": "Zuti", "parameters": {"max_new_tokens": 5, "grammar": grammar}}
+    for route in ("/generate", "/generate_stream"):
+        response = httpx.post(BASE + route, json=body, timeout=60)
+        assert response.status_code == 422
+        assert message in response.json()["error"]
+        assert response.json()["error_type"] == "validation"
+    with pytest.raises(ValidationError):
+        Client(BASE).generate("Zuti", grammar=Grammar(type=GrammarType.Regex, value="["))
+
+
+BAD_OPENAI = [
+    (dict(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nope"}}}}}),
+     "Invalid"),
+    (dict(tools=TOOLS, response_format={"type": "json_object"}),
+     "Grammar and tools are mutually exclusive"),
+    (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
+     "not in tools"),
+    (dict(tool_choice="required"), "tool_choice needs tools"),
+    (dict(response_format={"type": "json_object"}, extra_body={"ignore_eos": True}),
+     "ignore_eos"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), BAD_OPENAI)
+def test_openai_bad_constraints_are_refused_with_400(openai_client, kwargs, message):
+    with pytest.raises(BadRequestError) as info:
+        openai_client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=5,
+                                              **kwargs)
+    assert info.value.status_code == 400
+    assert message in info.value.body["message"]
+
+
+# -- a bad start: checked in the builder, before Ray starts -------------------------------
 @pytest.mark.parametrize("args, line", [
     (["model=/no/such/model"], "raygen: model=/no/such/model: no such file or directory"),
     (["tensor_parallel_size=3"], "raygen: tensor_parallel_size=3: the model's 4 attention "

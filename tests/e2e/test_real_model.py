@@ -21,8 +21,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real")
-    env = {"RAYGEN_GGUF_CACHE": str(tmp / "gguf")}
-    with serve_run([f"model={SMOLLM2}"], tmp / "serve.log", env=env, start_timeout=300):
+    with serve_run([f"model={SMOLLM2}"], tmp / "serve.log", start_timeout=300):
         yield OpenAI(base_url=BASE + "/v1", api_key="unused")
 
 
