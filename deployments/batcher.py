@@ -63,8 +63,12 @@ class Channel:
 
 class Batcher:
     def __init__(self, args: AppArgs, metrics_hub=None):
-        self.args = args
         logs.to_serve()
+        with logs.start_failure_to_console("Batcher"):
+            self._start(args, metrics_hub)
+
+    def _start(self, args: AppArgs, metrics_hub) -> None:
+        self.args = args
         if args.model == DEMO_MODEL:
             ensure_demo_model(args.model)
         model_config = ModelConfig.from_pretrained(args.model)

@@ -26,6 +26,7 @@ from deployments.tgi_api import TGIApi
 from shards.checkpoints.resolve import load_tokenizer
 from shards.demo_model import ensure_demo_model
 from shards.model.config import ModelConfig
+from shards.worker import logs
 
 # How long /health waits for the batcher's check. Under 32 streams the check answered in
 # 22 ms at p50 and 204 ms at most (NOTES 41); while a killed batcher replica is replaced the
@@ -65,6 +66,10 @@ app.openapi = _openapi
 @serve.ingress(app)
 class Ingress:
     def __init__(self, batcher, args: AppArgs, metrics_hub=None):
+        with logs.start_failure_to_console("Ingress"):
+            self._start(batcher, args, metrics_hub)
+
+    def _start(self, batcher, args: AppArgs, metrics_hub) -> None:
         self.args = args
         if args.model == DEMO_MODEL:
             ensure_demo_model(args.model)

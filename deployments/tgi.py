@@ -62,6 +62,36 @@ class ValidRequest:
 
 
 def validate(request: TGIRequest, tokenizer: Any, limits: Limits, stream: bool) -> ValidRequest:
+    """TGI's validation, its rules in its order and its messages: the parameters, then the
+    tokenized input against the token limits; a ValidationError names the first broken."""
+    p = request.parameters
+    best_of, grammar_text = _check_parameters(request, limits, stream)
+    ids, max_new_tokens = _tokenize(request, tokenizer, limits)
+    # As TGI's server: sample when asked to, or when any warper changes the distribution.
+    temperature = 1.0 if p.temperature is None else p.temperature
+    sampling = p.do_sample or temperature != 1.0 or bool(p.top_k) or (p.top_p or 1.0) < 1.0 \
+        or (p.typical_p or 1.0) < 1.0
+    params = SamplingParams(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature if sampling else 0.0,
+        top_k=p.top_k or 0,
+        top_p=p.top_p or 1.0,
+        typical_p=p.typical_p or 1.0,
+        repetition_penalty=1.0 if p.repetition_penalty is None else p.repetition_penalty,
+        frequency_penalty=0.0 if p.frequency_penalty is None else p.frequency_penalty,
+        seed=p.seed if p.seed is not None else random.getrandbits(63),
+        stop=tuple(p.stop),
+        include_stop_str_in_output=True,  # TGI's generated_text keeps the stop sequence
+        top_n_tokens=p.top_n_tokens or 0,
+        prompt_logprobs=p.decoder_input_details,
+        grammar=grammar_text,
+    )
+    return ValidRequest(ids, params, best_of, sampling)
+
+
+def _check_parameters(request: TGIRequest, limits: Limits, stream: bool
+                      ) -> tuple[int, str | None]:
+    """The rules that need no tokenizer; returns `best_of` and the grammar's text."""
     p = request.parameters
     best_of = 1 if p.best_of is None else p.best_of
     if best_of != 1:
@@ -78,14 +108,11 @@ def validate(request: TGIRequest, tokenizer: Any, limits: Limits, stream: bool) 
     has_warpers = any(v is not None for v in (p.temperature, p.top_k, p.top_p, p.typical_p))
     if best_of > 1 and not (p.do_sample or has_warpers):
         raise ValidationError("you must use sampling when `best_of` is > 1")
-    temperature = 1.0 if p.temperature is None else p.temperature
-    if temperature <= 0:
+    if p.temperature is not None and p.temperature <= 0:
         raise ValidationError("`temperature` must be strictly positive")
-    repetition_penalty = 1.0 if p.repetition_penalty is None else p.repetition_penalty
-    if repetition_penalty <= 0:
+    if p.repetition_penalty is not None and p.repetition_penalty <= 0:
         raise ValidationError("`repetition_penalty` must be strictly positive")
-    frequency_penalty = 0.0 if p.frequency_penalty is None else p.frequency_penalty
-    if not -2.0 <= frequency_penalty <= 2.0:
+    if p.frequency_penalty is not None and not -2.0 <= p.frequency_penalty <= 2.0:
         raise ValidationError("`frequency_penalty` must be >= -2.0 and <= 2.0")
     if p.top_p is not None and not 0.0 < p.top_p < 1.0:
         raise ValidationError("`top_p` must be > 0.0 and < 1.0")
@@ -116,7 +143,13 @@ def validate(request: TGIRequest, tokenizer: Any, limits: Limits, stream: bool) 
     grammar_text = _grammar(p.grammar) if p.grammar is not None else None
     if any(not s for s in p.stop):
         raise ValidationError("`stop` sequences cannot be empty")
+    return best_of, grammar_text
 
+
+def _tokenize(request: TGIRequest, tokenizer: Any, limits: Limits) -> tuple[list[int], int]:
+    """The prompt's ids (truncated as asked) and `max_new_tokens` (TGI's default where
+    unset), checked against the token limits."""
+    p = request.parameters
     ids = tokenizer(request.inputs, add_special_tokens=request.add_special_tokens).input_ids
     if p.truncate is not None:
         ids = ids[-p.truncate :]
@@ -133,26 +166,7 @@ def validate(request: TGIRequest, tokenizer: Any, limits: Limits, stream: bool) 
     if input_length > limits.max_input_tokens:
         raise ValidationError(f"`inputs` must have less than {limits.max_input_tokens} tokens. "
                               f"Given: {input_length}")
-
-    # As TGI's server: sample when asked to, or when any warper changes the distribution.
-    sampling = p.do_sample or temperature != 1.0 or bool(p.top_k) or (p.top_p or 1.0) < 1.0 \
-        or (p.typical_p or 1.0) < 1.0
-    params = SamplingParams(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature if sampling else 0.0,
-        top_k=p.top_k or 0,
-        top_p=p.top_p or 1.0,
-        typical_p=p.typical_p or 1.0,
-        repetition_penalty=repetition_penalty,
-        frequency_penalty=frequency_penalty,
-        seed=p.seed if p.seed is not None else random.getrandbits(63),
-        stop=tuple(p.stop),
-        include_stop_str_in_output=True,  # TGI's generated_text keeps the stop sequence
-        top_n_tokens=top_n_tokens,
-        prompt_logprobs=p.decoder_input_details,
-        grammar=grammar_text,
-    )
-    return ValidRequest(ids, params, best_of, sampling)
+    return ids, max_new_tokens
 
 
 def _grammar(value: Any) -> str:

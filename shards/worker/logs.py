@@ -9,8 +9,11 @@ and to the driver's console (`(ShardActor pid=...) INFO ...` under `serve run`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
+from collections.abc import Iterator
 
 PACKAGES = ("engine", "shards")
 
@@ -48,3 +51,22 @@ def to_stderr(prefix: str, level: int = logging.INFO) -> None:
     handler.setFormatter(logging.Formatter(
         f"%(levelname)s %(asctime)s {prefix} %(name)s -- %(message)s"))
     _install(handler, level)
+
+
+@contextlib.contextmanager
+def start_failure_to_console(component: str) -> Iterator[None]:
+    """Around a Serve replica's constructor: a failure is also one line on the process's
+    stderr, which Ray copies to the driver's console. In Serve's throughput mode a replica's
+    own log lines stay off the console, and `serve run` says only "Failed to update the
+    deployments", so without this line the cause never reached the user."""
+    try:
+        yield
+    except Exception as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        reason = lines[-1] if lines else type(exc).__name__  # a Ray error ends with the cause
+        if not reason.startswith(type(exc).__name__) and ":" not in reason[:40]:
+            reason = f"{type(exc).__name__}: {reason}"
+        # To the process's own stderr: Serve's throughput mode points `sys.stderr` and
+        # `print` of a replica at its log file.
+        os.write(2, f"raygen: the {component} replica failed to start: {reason}\n".encode())
+        raise

@@ -55,3 +55,27 @@ def test_to_serve_hands_lines_to_serves_logger_at_its_level(clean_loggers):
     logging.getLogger("engine.async_engine").info("kept")
     assert [r.getMessage() for r in sink.records][-1] == "kept"
     assert len(sink.records) == 2
+
+
+def test_a_replica_that_fails_to_start_says_why_on_the_process_stderr(capfd, monkeypatch):
+    """Serve's throughput mode points a replica's sys.stderr and print at its log file; the
+    line must reach the process's own stderr (fd 2), which Ray copies to the console."""
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())  # as Serve's StreamToLogger would
+    # A Ray task error: the traceback first, the cause on its last line.
+    error = RuntimeError("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+                         "RuntimeError: DefaultCPUAllocator: can't allocate memory\n")
+    with pytest.raises(RuntimeError) as raised, logs.start_failure_to_console("Batcher"):
+        raise error
+    assert raised.value is error  # re-raised as it was: Serve still sees the failure
+    assert capfd.readouterr().err == ("raygen: the Batcher replica failed to start: "
+                                      "RuntimeError: DefaultCPUAllocator: can't allocate memory\n")
+    with pytest.raises(KeyError), logs.start_failure_to_console("Ingress"):
+        raise KeyError("tokenizer.json")
+    assert capfd.readouterr().err == \
+        "raygen: the Ingress replica failed to start: KeyError: 'tokenizer.json'\n"
+    with logs.start_failure_to_console("Ingress"):
+        pass
+    assert capfd.readouterr().err == "" and sys.stderr.getvalue() == ""
