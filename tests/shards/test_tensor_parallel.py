@@ -553,3 +553,27 @@ def test_a_borrowing_rank_runs_every_step_on_a_thread_bound_to_each_core(llama_d
     assert tokens == hf_greedy(llama_dir, prompt[:-1] + [prompt[-1] % 100 + 5], 6)
     assert outs == {f"r{i}": hf_greedy(llama_dir, p, n)
                     for i, (p, n) in enumerate(zip(prompts, PARITY_NEW_TOKENS, strict=True))}
+
+
+def test_a_gguf_file_at_tp3_equals_one_shard():
+    """The real model's GGUF file over three ranks (its 9 heads and 3 key/value heads do not
+    split in two): each rank reads and multiplies only its share of the file's Q4_1 blocks,
+    and greedy output equals one shard's on the same file."""
+    from deployments.offline import LLM
+    from shards.checkpoints.resolve import load_tokenizer
+    from tests.reference import smollm2_gguf
+
+    model = str(smollm2_gguf())
+    tokenizer = load_tokenizer(model)
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                         add_generation_prompt=True)
+    prompts = [chat, tokenizer("def fibonacci(n):").input_ids]
+    one = LLM(model, num_blocks=64).generate(prompts, SamplingParams(max_new_tokens=24))
+    llm = GroupLLM(model, 3, tokenizer, num_blocks=64)
+    try:
+        placement = ray.get(llm.group.actors[1].placement.remote())
+        assert placement["quant_types"]["Q4_1"] > 0  # the rank multiplies by the blocks
+        outs, _ = run_staggered(llm, prompts, [24, 24])
+    finally:
+        llm.group.shutdown()
+    assert [outs["r0"], outs["r1"]] == [o.token_ids for o in one]
