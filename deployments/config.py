@@ -33,6 +33,12 @@ class AppArgs(BaseModel):
     tensor_parallel_size: int = Field(1, ge=1)
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: str = default(ShardConfig, "dtype")
+    quant_products: Literal["int8", "float32"] = Field(
+        default(ShardConfig, "quant_products"), description="a GGUF file's Q4_0, Q4_1 and "
+        "Q8_0 weights on CPU: `float32` multiplies them by the activations as they are (the "
+        "dequantized weights' product, exact to rounding); `int8` by the activations rounded "
+        "to int8 blocks in integers, as llama.cpp does: faster, and its answers move as "
+        "llama.cpp's do (needs AVX-512 VNNI, else float32)")
     # Engine (TGI's names).
     max_batch_prefill_tokens: int = Field(
         default(SchedulerConfig, "max_batch_prefill_tokens"), ge=1)
@@ -145,7 +151,7 @@ class AppArgs(BaseModel):
             num_blocks=self.num_blocks, kv_cache_memory=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             attention_backend=self.attention_backend, cpu_threads=self.cpu_threads,
-            **self.core_plan())
+            quant_products=self.quant_products, **self.core_plan())
 
     @property
     def cores_per_rank(self) -> int | None:

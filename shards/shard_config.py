@@ -18,6 +18,11 @@ class ShardConfig:
     kv_cache_memory: int = 1 << 30  # bytes for the KV cache on CPU
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
+    # A GGUF file's Q4_0, Q4_1 and Q8_0 blocks on CPU: multiplied by the activations as they
+    # are (`float32`: the dequantized weights' product up to summation order), or by the
+    # activations rounded to int8 blocks, in integers (`int8`, as llama.cpp does; where the
+    # CPU has AVX-512 VNNI): faster, less exact (benchmarks/NOTES.md 58).
+    quant_products: str = "float32"
     cpu_threads: int | None = None  # None: every core this process may use
     # Cores per node left to the serving plane (shards/cpu/plan.py); None: one where every
     # rank on the node still gets a core of its own.

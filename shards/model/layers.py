@@ -107,12 +107,17 @@ class _Matmul(nn.Module):
     quant_type: int = -1
     quant_rows: int = 0
     quant_kernels: Any = None  # shards.cpu.kernels' module, which multiplies by `quant`
+    quant_int8: bool = False  # x rounded to int8 blocks, products in integers
+
+    def quant_product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        kernel = self.quant_kernels.linear_quant_i8 if self.quant_int8 \
+            else self.quant_kernels.linear_quant
+        return kernel(x, self.quant, self.quant_type, self.weight_shape[0], bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
         if self.quant is not None and rows <= self.quant_rows:
-            return self.quant_kernels.linear_quant(x, self.quant, self.quant_type,
-                                                     self.weight_shape[0], bias)
+            return self.quant_product(x, bias)
         if self.panels is not None and self.panel_rows[0] <= rows <= self.panel_rows[1]:
             return self.panel_kernels.linear_panels(x, self.panels, self.weight_shape[0], bias)
         if self.transposed is not None and rows == 1:
@@ -127,11 +132,11 @@ class _Matmul(nn.Module):
         return F.linear(x, self.weight, bias)
 
 
-def pack_quantized(model: nn.Module, kernels: Any) -> dict[str, int]:
+def pack_quantized(model: nn.Module, kernels: Any, int8: bool = False) -> dict[str, int]:
     """Give every linear whose weight came whole from a GGUF file in a type the kernels
     read (`_keep_blocks`) those blocks, one uint8 row of blocks per output row, to multiply
-    by (`_Matmul.quant`; no step uses them until `set_quant_rows`). Returns the count of
-    linears by type."""
+    by (`_Matmul.quant`; no step uses them until `set_quant_rows`), by x rounded to int8
+    blocks where `int8`. Returns the count of linears by type."""
     from shards.checkpoints.gguf_weights import KERNEL_TYPES
 
     counts: dict[str, int] = {}
@@ -147,6 +152,7 @@ def pack_quantized(model: nn.Module, kernels: Any) -> dict[str, int]:
         module.quant = torch.from_numpy(np.concatenate(ordered))
         module.quant_type = KERNEL_TYPES[kind]
         module.quant_kernels = kernels
+        module.quant_int8 = int8
         counts[kind] = counts.get(kind, 0) + 1
     drop_gguf_blocks(model)
     return counts
@@ -178,7 +184,7 @@ def time_quant_products(model: nn.Module, rows: int, rounds: int = 3) -> tuple[f
 
     def blocks() -> None:
         for m, x in zip(linears, inputs, strict=True):
-            m.quant_kernels.linear_quant(x, m.quant, m.quant_type, m.weight_shape[0], None)
+            m.quant_product(x)
 
     return _best_of(rounds, without, blocks)
 

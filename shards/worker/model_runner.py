@@ -156,6 +156,7 @@ class ModelRunner:
         # them; (float path, blocks) seconds by rows timed.
         self.quant_rows = 0
         self.quant_types: dict[str, int] = {}
+        self.quant_int8 = False  # the blocks multiply x rounded to int8 (quant_products)
         self.quant_timings: dict[int, tuple[float, float]] = {}
         self.bf16_timings: tuple[float, float] | None = None  # (bf16, widened) at 128 rows
         # Torch's threads bound one per core (cpu_plan.bind_torch_threads): this thread,
@@ -271,7 +272,9 @@ class ModelRunner:
             if isinstance(self.backend, CpuPagedAttentionBackend) else None
         if (choice == "auto" and self.dtype == torch.float32 and quant_kernels is not None
                 and quant_kernels.quant_supported()):
-            self.quant_types = pack_quantized(self.model, quant_kernels)
+            self.quant_int8 = (self.config.quant_products == "int8"
+                               and quant_kernels.quant_i8_supported())
+            self.quant_types = pack_quantized(self.model, quant_kernels, self.quant_int8)
             if self.quant_types:
                 self._time_quantized()
         return "onednn"
@@ -290,7 +293,9 @@ class ModelRunner:
         timings = "; ".join(f"{rows} row(s): {a * 1e3:.2f} ms without, {b * 1e3:.2f} ms with"
                             for rows, (a, b) in self.quant_timings.items())
         types = ", ".join(f"{n} {kind}" for kind, n in sorted(self.quant_types.items()))
-        logger.info("raygen's block kernel (%s linears): %s: %s", types, timings,
+        logger.info("raygen's block kernel (%s linears, %s): %s: %s", types,
+                    "x rounded to int8 blocks, products in integers" if self.quant_int8
+                    else "x in float32", timings,
                     f"used for steps of 1-{up_to} rows" if up_to else "not used")
 
     def _time_weight_copy(self, panels: bool) -> None:

@@ -18,4 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_supported", &quant_supported, "whether linear_quant is built");
   m.def("linear_quant", &linear_quant,
         "x W^T (+ bias) on W's GGUF blocks: Q4_0 = 0, Q4_1 = 1, Q8_0 = 2, BF16 = 3 (CPU, fp32 x)");
+  m.def("quant_i8_supported", &quant_i8_supported, "whether linear_quant_i8 is built");
+  m.def("linear_quant_i8", &linear_quant_i8,
+        "linear_quant with x quantized to int8 blocks, products in integers (Q4_0, Q4_1, Q8_0)");
 }

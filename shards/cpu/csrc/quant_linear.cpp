@@ -181,6 +181,221 @@ void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row
   });
 }
 
+
+#if defined(__AVX512VNNI__)
+// The int8 products (`linear_quant_i8`), as llama.cpp multiplies: each row of x quantized
+// to int8 in blocks of 32 (a scale dx = max|x| / 127 per block), and each block's dot
+// product taken in integers by VNNI (vpdpbusd: unsigned 8-bit weights by signed 8-bit x,
+// four products summed into each 32-bit lane). A weight block's quants are made unsigned
+// (Q4: 0..15 already; Q8_0: q + 128) and the offset is taken back with x's block sum:
+//   x_b . w_b = dw dx (sum u q_x) + (m - off dw) dx (sum q_x),   off = 0 | 8 | 128
+// with m = 0 but for Q4_1. Faster than unpacking to float32 (one integer instruction per
+// 64 weights against four float ones per 16), at the cost of x's rounding to 8 bits.
+
+struct XQuant {  // x's rows as int8 blocks: quants, dx and dx * sum of the block's quants
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
+// For Q4 weights each pair of blocks is stored as [b lo | b+1 lo | b hi | b+1 hi] (16
+// quants each: a block's first and last 16), the order in which a pair of weight blocks'
+// nibbles unpack with the fewest instructions (`unpack_pair`); an odd last block, and
+// every block for Q8_0, in x's own order.
+XQuant quantize_x(const float* x, int64_t M, int64_t K, bool pair_order) {
+  const int64_t nb = K / kBlock;
+  XQuant xq{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * K + b * kBlock;
+      const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(inv)));
+      const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(inv)));
+      int8_t* row = xq.q.data() + r * K;
+      int8_t* first = row + b * kBlock;
+      int8_t* last = first + 16;
+      if (pair_order && b + 1 - b % 2 < nb) {  // in a whole pair
+        const int64_t pair = b - b % 2;
+        first = row + pair * kBlock + (b % 2) * 16;
+        last = first + 32;
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(first), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(last), _mm512_cvtsepi32_epi8(qhi));
+      xq.d[r * nb + b] = d;
+      xq.s[r * nb + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi)));
+    }
+  return xq;
+}
+
+// A pair's product lanes (4 bytes each): Q8_0 has block b in lanes 0-7, b+1 in 8-15; the
+// Q4 pair order has b in lanes 0-3 and 8-11. `lanes<T>(k, f)`: f's element k (block b's)
+// and k + 2 (block b+1's) spread over their lanes.
+template <int64_t T>
+inline __m512 lanes(int k, __m512 f) {
+  const int a = k, b = k + 2;
+  const __m512i idx = T == kQ8_0
+      ? _mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a)
+      : _mm512_set_epi32(b, b, b, b, a, a, a, a, b, b, b, b, a, a, a, a);
+  return _mm512_permutexvar_ps(idx, f);
+}
+
+template <int64_t T>
+inline __m512 pair_of(float a, float b) {  // a in block b's lanes, b in block b+1's
+  return lanes<T>(0, _mm512_castps128_ps512(_mm_set_ps(0.0f, b, 0.0f, a)));
+}
+
+template <int64_t T>
+constexpr int64_t kBytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : 34;
+
+// The offset term of each weight block, c = m - off * dw (see above), from its dw (and m).
+template <int64_t T>
+inline __m512 offset_term(__m512 dw, __m512 m) {
+  if constexpr (T == kQ4_1) return m;
+  return _mm512_mul_ps(dw, _mm512_set1_ps(T == kQ4_0 ? -8.0f : -128.0f));
+}
+
+// Blocks b and b+1 of a weight row: their 64 quants as unsigned bytes, in the order
+// quantize_x puts x's pair in; each block's dw in its product lanes (`lanes`); and the
+// offset terms likewise, over 8 (each is added in each of its 8 lanes, then lanes summed).
+template <int64_t T>
+inline void unpack_pair(const uint8_t* blk, __m512i& q, __m512& dw, __m512& c8) {
+  constexpr int64_t bytes = kBytes<T>;
+  int32_t h0, h1;  // d (and m, for Q4_1) of each block, as fp16 pairs
+  std::memcpy(&h0, blk, 4);
+  std::memcpy(&h1, blk + bytes, 4);
+  const __m512 f = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_set_epi32(0, 0, h1, h0)));
+  dw = lanes<T>(0, f);
+  const __m512 m = lanes<T>(1, f);
+  c8 = _mm512_mul_ps(offset_term<T>(dw, m), _mm512_set1_ps(0.125f));
+  if constexpr (T == kQ8_0) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + bytes + 2));
+    q = _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1),
+                         _mm512_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    constexpr int64_t at = T == kQ4_1 ? 4 : 2;
+    const __m256i both = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + at))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + bytes + at)), 1);
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(both, mask)),
+                           _mm256_and_si256(_mm256_srli_epi16(both, 4), mask), 1);
+  }
+}
+
+// One block (an odd last one): its 32 quants unsigned, in x's order; dw and c.
+template <int64_t T>
+inline __m256i unpack_u8(const uint8_t* blk, float& dw, float& c) {
+  dw = half_at(blk);
+  if constexpr (T == kQ8_0) {
+    c = -128.0f * dw;
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+    return _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    c = T == kQ4_1 ? half_at(blk + 2) : -8.0f * dw;
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (T == kQ4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask), _mm_and_si128(q, mask));
+  }
+}
+
+
+// out[r, n:n+NR] for MR rows of x against NR weight rows, two blocks per 512-bit product.
+template <int64_t T, int MR, int NR>
+inline void dot_tile_i8(const XQuant& xq, int64_t r0, int64_t K, int64_t nb, const uint8_t* w,
+                        int64_t row_bytes, float* out, int64_t ldo, const float* bias) {
+  constexpr int64_t bytes = kBytes<T>;
+  __m512 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) acc[r][n] = _mm512_setzero_ps();
+  const int8_t* xq_rows = xq.q.data() + r0 * K;
+  const float* dxs = xq.d.data() + r0 * nb;
+  const float* sxs = xq.s.data() + r0 * nb;
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    __m512i wq[NR];
+    __m512 dw[NR], c8[NR];
+    for (int n = 0; n < NR; ++n) {
+      const uint8_t* blk = w + n * row_bytes + b * bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + NR * row_bytes), _MM_HINT_T0);
+      unpack_pair<T>(blk, wq[n], dw[n], c8[n]);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m512i xv = _mm512_loadu_si512(xq_rows + r * K + b * kBlock);
+      const __m512 dx = pair_of<T>(dxs[r * nb + b], dxs[r * nb + b + 1]);
+      const __m512 sx = pair_of<T>(sxs[r * nb + b], sxs[r * nb + b + 1]);
+      for (int n = 0; n < NR; ++n) {
+        const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq[n], xv);
+        acc[r][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(dw[n], dx), acc[r][n]);
+        acc[r][n] = _mm512_fmadd_ps(c8[n], sx, acc[r][n]);
+      }
+    }
+  }
+  float corr[MR][NR] = {};
+  for (; b < nb; ++b) {  // an odd last block: half a product
+    for (int n = 0; n < NR; ++n) {
+      float dw, c;
+      const __m256i a = unpack_u8<T>(w + n * row_bytes + b * bytes, dw, c);
+      for (int r = 0; r < MR; ++r) {
+        const __m256i xv = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(xq_rows + r * K + b * kBlock));
+        const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, xv);
+        const __m512 pf = _mm512_castps256_ps512(_mm256_cvtepi32_ps(p));
+        acc[r][n] = _mm512_mask3_fmadd_ps(pf, _mm512_set1_ps(dw * dxs[r * nb + b]), acc[r][n],
+                                          0x00FF);  // the low 8 lanes; the others kept
+        corr[r][n] += c * sxs[r * nb + b];
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n)
+      out[r * ldo + n] = _mm512_reduce_add_ps(acc[r][n]) + corr[r][n] + (bias ? bias[n] : 0.0f);
+}
+
+template <int64_t T, int NR>
+void dot_rows_i8(int mr, const XQuant& xq, int64_t r0, int64_t K, int64_t nb, const uint8_t* w,
+                 int64_t row_bytes, float* out, int64_t ldo, const float* bias) {
+  switch (mr) {
+    case 8: dot_tile_i8<T, 8, NR>(xq, r0, K, nb, w, row_bytes, out, ldo, bias); break;
+    case 7: dot_tile_i8<T, 7, NR>(xq, r0, K, nb, w, row_bytes, out, ldo, bias); break;
+    case 6: dot_tile_i8<T, 6, NR>(xq, r0, K, nb, w, row_bytes, out, ldo, bias); break;
+    case 5: dot_tile_i8<T, 5, NR>(xq, r0, K, nb, w, row_bytes, out, ldo, bias); break;
+    case 4: dot_tile_i8<T, 4, NR>(xq, r0, K, nb, w, row_bytes, out, ldo, bias); break;
+    case 3: dot_tile_i8<T, 3, NR>(xq, r0, K, nb, w, row_bytes, out, ldo, bias); break;
+    case 2: dot_tile_i8<T, 2, NR>(xq, r0, K, nb, w, row_bytes, out, ldo, bias); break;
+    default: dot_tile_i8<T, 1, NR>(xq, r0, K, nb, w, row_bytes, out, ldo, bias); break;
+  }
+}
+
+template <int64_t T, int NR, int MAXR>
+void product_i8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
+                int64_t N, const float* bias, float* out) {
+  const int64_t nb = K / kBlock;
+  const XQuant xq = quantize_x(x, M, K, T != kQ8_0);
+  const int64_t tasks = (N + kTaskRows - 1) / kTaskRows;
+  for_each_claimed(tasks, [&] {
+    return [&](int64_t task) {
+      const int64_t n1 = std::min(N, (task + 1) * kTaskRows);
+      for (int64_t n = task * kTaskRows; n < n1; n += NR) {
+        const bool whole = n + NR <= n1;
+        for (int64_t r = 0; r < M; r += MAXR) {
+          const int mr = static_cast<int>(std::min<int64_t>(MAXR, M - r));
+          if (whole) {
+            dot_rows_i8<T, NR>(mr, xq, r, K, nb, w + n * row_bytes, row_bytes, out + r * N + n,
+                               N, bias ? bias + n : nullptr);
+          } else {
+            for (int64_t j = n; j < n1; ++j)
+              dot_rows_i8<T, 1>(mr, xq, r, K, nb, w + j * row_bytes, row_bytes, out + r * N + j,
+                                N, bias ? bias + j : nullptr);
+          }
+        }
+      }
+    };
+  });
+}
+#endif  // __AVX512VNNI__
+
 #endif  // __AVX512F__
 
 }  // namespace
@@ -233,6 +448,57 @@ at::Tensor linear_quant(at::Tensor x, at::Tensor weight, int64_t type, int64_t o
     default:
       few ? product<kBF16, 4, 4>(xp, M, K, wp, row_bytes, out_features, b, op)
           : product<kBF16, 2, 8>(xp, M, K, wp, row_bytes, out_features, b, op);
+      break;
+  }
+#endif
+  return out;
+}
+
+bool quant_i8_supported() {
+#if defined(__AVX512VNNI__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor linear_quant_i8(at::Tensor x, at::Tensor weight, int64_t type, int64_t out_features,
+                           std::optional<at::Tensor> bias) {
+  TORCH_CHECK(quant_i8_supported(), "linear_quant_i8: built without AVX-512 VNNI");
+  TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0,
+              "linear_quant_i8: takes Q4_0, Q4_1 or Q8_0 blocks, not type ", type);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_quant_i8: 2-d float32 x");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % kBlock == 0, "linear_quant_i8: ", K, " input features are not whole blocks");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
+                  weight.size(0) == out_features &&
+                  weight.size(1) == K / kBlock * block_bytes(type),
+              "linear_quant_i8: weight ", weight.sizes(), " is not ", out_features, " rows of ",
+              K / kBlock, " blocks");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0);
+  at::Tensor out = at::empty({M, out_features}, xc.options());
+  at::Tensor bc;
+  const float* b = bias_data(bias, out_features, "linear_quant_i8", bc);
+  if (M == 0) return out;
+#if defined(__AVX512VNNI__)
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* wp = weight.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t row_bytes = weight.size(1);
+  const bool few = M <= 4;
+  switch (type) {
+    case kQ4_0:
+      few ? product_i8<kQ4_0, 4, 4>(xp, M, K, wp, row_bytes, out_features, b, op)
+          : product_i8<kQ4_0, 2, 8>(xp, M, K, wp, row_bytes, out_features, b, op);
+      break;
+    case kQ4_1:
+      few ? product_i8<kQ4_1, 4, 4>(xp, M, K, wp, row_bytes, out_features, b, op)
+          : product_i8<kQ4_1, 2, 8>(xp, M, K, wp, row_bytes, out_features, b, op);
+      break;
+    default:
+      few ? product_i8<kQ8_0, 4, 4>(xp, M, K, wp, row_bytes, out_features, b, op)
+          : product_i8<kQ8_0, 2, 8>(xp, M, K, wp, row_bytes, out_features, b, op);
       break;
   }
 #endif
