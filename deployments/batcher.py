@@ -99,6 +99,7 @@ class Batcher:
         self.pusher = None
         if metrics_hub is not None:
             self.pusher = Pusher(metrics_hub, replica_source("Batcher"), self._families)
+        self.compute_path = self.group.placements()[0]["compute_path"]  # rank 0's, as all
         logger.info("batcher ready: tp=%d, %d KV blocks (max_batch_total_tokens=%d), "
                     "%d step(s) in flight", args.tensor_parallel_size, num_blocks,
                     self.engine.scheduler.max_batch_total_tokens, args.steps_in_flight)
@@ -266,6 +267,11 @@ class Batcher:
             raise RuntimeError(f"engine loop failed: {self.engine_loop.last_error}")
         if not await asyncio.to_thread(self.group.check_health):
             raise RuntimeError(f"shards unhealthy: {self.group.error}")
+
+    async def info(self) -> dict:
+        """What /info adds to TGI's fields: how the shards compute."""
+        return {"compute_path": self.compute_path,
+                "tensor_parallel_size": self.args.tensor_parallel_size}
 
     async def stats(self) -> dict:
         scheduler = self.engine.scheduler

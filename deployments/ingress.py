@@ -87,6 +87,7 @@ class Ingress:
         self.tgi = TGIApi(self.admission, grammars, streaming, tokenizer, self.limits, args.device)
         self.openai = OpenAIApi(self.admission, grammars, streaming, tokenizer, self.limits,
                                 args.max_n, args.model_name)
+        self.batcher_info: dict | None = None  # /info's raygen part, from a batcher replica
         self.hub, self.pusher = metrics_hub, None
         if metrics_hub is not None:
             self.source = replica_source("Ingress")
@@ -147,9 +148,12 @@ class Ingress:
             return self.tgi.error(exc)
         a = self.args
         waiting_served_ratio, max_waiting_tokens = a.admission
+        if self.batcher_info is None:  # asked once: it is fixed when the replica starts
+            self.batcher_info = await asyncio.wait_for(self.batcher.info.remote(), 10)
+        path = self.batcher_info["compute_path"]
         return JSONResponse({
             "model_id": a.model_name, "model_sha": None, "model_pipeline_tag": "text-generation",
-            "model_dtype": a.dtype, "model_device_type": a.device,
+            "model_dtype": path["weight_dtype"], "model_device_type": path["device"],
             "max_concurrent_requests": a.max_concurrent_requests, "max_best_of": a.max_best_of,
             "max_stop_sequences": a.max_stop_sequences,
             "max_input_tokens": self.limits.max_input_tokens,
@@ -160,6 +164,8 @@ class Ingress:
             "waiting_served_ratio": waiting_served_ratio, "validation_workers": 1,
             "max_client_batch_size": 1, "router": "raygen", "version": "0.1.0", "sha": None,
             "docker_label": None,
+            # raygen's own: how the shards compute (the weight products, the attention).
+            "raygen": self.batcher_info,
         })
 
     @app.get("/metrics")

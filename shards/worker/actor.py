@@ -236,6 +236,7 @@ class ShardActor:
             "gpu_ids": ray.get_gpu_ids(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "device": str(self.runner.device) if self.runner else None,
+            "compute_path": self.runner.compute_path() if self.runner else None,
             "torch_threads": torch.get_num_threads(),
             # The rank's cores; torch's threads are then bound one per core within them.
             "cpu_affinity": self.cores or sorted(os.sched_getaffinity(0)),

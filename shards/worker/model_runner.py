@@ -331,6 +331,20 @@ class ModelRunner:
         logger.info(text)
 
     # -- KV cache ----------------------------------------------------------------------
+    def compute_path(self) -> dict:
+        """How this rank computes (for /info and the logs): the device, the dtype the
+        weights are multiplied in, the activations', the attention backend, and a GGUF
+        file's blocks (linears by type, the steps that use them, x in float32 or int8)."""
+        return {
+            "device": self.device.type,
+            "weight_dtype": str(self.weight_dtype).removeprefix("torch."),
+            "activation_dtype": str(self.dtype).removeprefix("torch."),
+            "attention_backend": self.backend.name,
+            "quant_blocks": ({"types": self.quant_types, "steps_up_to_rows": self.quant_rows,
+                              "x": "int8" if self.quant_int8 else "float32"}
+                             if self.quant_types else None),
+        }
+
     @property
     def kv_heads(self) -> int:
         return self.model.model.layers[0].self_attn.num_kv_heads

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import jsonschema
 import pytest
 import torch
@@ -76,3 +77,11 @@ def test_a_tool_call_parses(client, model_name):
     call = choice.message.tool_calls[0]
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), parameters)
+
+
+def test_info_says_the_file_s_blocks_are_multiplied_as_they_are(client):
+    path = httpx.get(BASE + "/info", timeout=30).json()["raygen"]["compute_path"]
+    assert (path["weight_dtype"], path["activation_dtype"]) == ("float32", "float32")
+    blocks = path["quant_blocks"]
+    assert blocks["types"] == {"Q4_1": 120, "Q8_0": 1} and blocks["x"] == "float32"
+    assert blocks["steps_up_to_rows"] >= 0  # timed at start-up: 0 where they lose
