@@ -136,6 +136,9 @@ def check_model(args: AppArgs) -> None:
         return  # written by the replicas at start (shards/demo_model.py)
     config = ModelConfig.from_pretrained(args.model)
     directory = model_dir(args.model)
+    if args.quantize is not None and gguf_file(directory) is not None:
+        raise CheckpointError(f"quantize={args.quantize}: model={args.model} holds a GGUF "
+                              "file, whose own blocks are multiplied as they are")
     if gguf_file(directory) is None:
         try:
             checkpoint_files(directory)

@@ -39,6 +39,10 @@ class AppArgs(BaseModel):
         "dequantized weights' product, exact to rounding); `int8` by the activations rounded "
         "to int8 blocks in integers, as llama.cpp does: faster, and its answers move as "
         "llama.cpp's do (needs AVX-512 VNNI, else float32)")
+    quantize: Literal["q8_0"] | None = Field(
+        None, description="TGI's --quantize, on CPU: `q8_0` quantizes a float checkpoint's "
+        "linears at load into 8-bit blocks of 32 (llama.cpp's Q8_0), multiplied as a GGUF "
+        "file's are (quant_products); float32 only, not with a GGUF file (it is quantized)")
     # Engine (TGI's names).
     max_batch_prefill_tokens: int = Field(
         default(SchedulerConfig, "max_batch_prefill_tokens"), ge=1)
@@ -96,6 +100,13 @@ class AppArgs(BaseModel):
         if (self.max_input_tokens and self.max_total_tokens
                 and self.max_input_tokens >= self.max_total_tokens):
             raise ValueError("max_input_tokens must be < max_total_tokens")
+        if self.quantize is not None and (self.device != "cpu"
+                                          or self.dtype not in ("auto", "float32")):
+            raise ValueError(f"quantize={self.quantize} runs on CPU in float32; got "
+                             f"device={self.device}, dtype={self.dtype}")
+        if self.quantize is not None and self.model.endswith(".gguf"):
+            raise ValueError(f"quantize={self.quantize}: model={self.model} is a GGUF file, "
+                             "whose own blocks are multiplied as they are")
         if self.shard_cpus >= 1 and self.shard_cpus != int(self.shard_cpus):
             raise ValueError("shard_cpus of 1 or more is the whole number of cores each "
                              f"rank owns; got {self.shard_cpus}")
@@ -151,7 +162,7 @@ class AppArgs(BaseModel):
             num_blocks=self.num_blocks, kv_cache_memory=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             attention_backend=self.attention_backend, cpu_threads=self.cpu_threads,
-            quant_products=self.quant_products, **self.core_plan())
+            quant_products=self.quant_products, quantize=self.quantize, **self.core_plan())
 
     @property
     def cores_per_rank(self) -> int | None:

@@ -23,6 +23,9 @@ class ShardConfig:
     # activations rounded to int8 blocks, in integers (`int8`, as llama.cpp does; where the
     # CPU has AVX-512 VNNI): faster, less exact (benchmarks/NOTES.md 58).
     quant_products: str = "float32"
+    # A float checkpoint's linears quantized at load into Q8_0 blocks (None: not), which the
+    # CPU's block kernel then multiplies by, as a GGUF file's own (quant_products applies).
+    quantize: str | None = None
     cpu_threads: int | None = None  # None: every core this process may use
     # Cores per node left to the serving plane (shards/cpu/plan.py); None: one where every
     # rank on the node still gets a core of its own.

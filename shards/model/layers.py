@@ -158,6 +158,27 @@ def pack_quantized(model: nn.Module, kernels: Any, int8: bool = False) -> dict[s
     return counts
 
 
+def quantize_linears(model: nn.Module, kind: str = "Q8_0") -> int:
+    """Quantize every linear's float weight into `kind` blocks (the `gguf` package's own
+    quantizer: llama.cpp's rounding), kept beside it as a GGUF file's would be
+    (`_keep_blocks`), for `pack_quantized`. A weight whose rows are no whole blocks stays
+    float. Returns the linears quantized."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (not isinstance(module, _Matmul) or weight is None or weight.dim() != 2
+                or weight.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0]
+                or hasattr(weight, "gguf_blocks")):  # a GGUF file's own blocks stay
+            continue
+        blocks = gguf.quants.quantize(weight.detach().float().contiguous().numpy(), qtype)
+        weight.gguf_blocks = {0: (kind, blocks)}
+        count += 1
+    return count
+
+
 def drop_gguf_blocks(model: nn.Module) -> None:
     """Free the blocks `_keep_blocks` put beside the weights (what no linear took)."""
     for param in model.parameters():

@@ -35,6 +35,7 @@ from shards.model.layers import (
     onednn_usable,
     pack_for_onednn,
     pack_quantized,
+    quantize_linears,
     quantized,
     set_copy_rows,
     set_quant_rows,
@@ -217,6 +218,11 @@ class ModelRunner:
                              f"with oneDNN (here: {self.device.type}, {self.dtype})")
         if choice == "torch" or not usable:
             return "torch"
+        if self.config.quantize is not None:  # before the packing, which frees the floats
+            t0 = time.perf_counter()
+            n = quantize_linears(self.model, self.config.quantize.upper())
+            logger.info("quantize=%s: %d linears quantized at load in %.1f s",
+                        self.config.quantize, n, time.perf_counter() - t0)
         if self.weight_dtype != self.dtype:  # bfloat16 weights: oneDNN, and few-row steps
             kernels = self.backend.kernel \
                 if isinstance(self.backend, CpuPagedAttentionBackend) else None

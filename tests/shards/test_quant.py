@@ -125,3 +125,36 @@ def test_a_real_q4_1_file_scores_real_text_as_its_dequantized_weights_do(product
     assert len(diffs) == 255 and scored[0] != scored[4]  # the blocks ran
     mean = sum(diffs) / len(diffs)
     assert mean < mean_bound and max(diffs) < max_bound, (mean, max(diffs))
+
+
+def test_a_float_checkpoint_quantized_at_load_scores_near_its_float_weights(llama_dir):
+    """`quantize=q8_0`: every linear of a safetensors checkpoint in Q8_0 blocks (the gguf
+    package's quantizer), multiplied by the block kernel; teacher-forced logprobs of a
+    random prompt near the float weights'. Measured: demo-small mean 0.016, max 0.066;
+    SmolLM2 as float32 safetensors mean 0.027, max 0.19, and 25.2 -> 14.5 ms a token
+    in-process (benchmarks/NOTES.md 59)."""
+    from deployments.config import AppArgs
+    from deployments.offline import LLM
+    from engine.sampling_params import SamplingParams
+    from shards.model.layers import set_quant_rows
+    from tests.reference import make_prompts
+
+    scored = {}
+    for quantize in (None, "q8_0"):
+        llm = LLM(llama_dir, num_blocks=64, max_batch_prefill_tokens=4, quantize=quantize)
+        if quantize:
+            blocks = llm.runner.compute_path()["quant_blocks"]
+            assert set(blocks["types"]) == {"Q8_0"} and blocks["types"]["Q8_0"] >= 3
+            set_quant_rows(llm.runner.model, 4)  # whatever the timings chose
+        ids = make_prompts(llm.runner.model_config.vocab_size, [120], seed=9)[0]
+        scored[quantize] = llm.generate([ids], SamplingParams(
+            max_new_tokens=1, prompt_logprobs=True))[0].prompt_logprobs[1:]
+    diffs = [abs(a - b) for a, b in zip(scored[None], scored["q8_0"], strict=True)]
+    assert scored[None] != scored["q8_0"]  # the blocks ran
+    assert sum(diffs) / len(diffs) < 0.05 and max(diffs) < 0.3, (sum(diffs) / len(diffs),
+                                                                  max(diffs))
+    for bad, message in (({"dtype": "bfloat16"}, "runs on CPU in float32"),
+                         ({"device": "cuda"}, "runs on CPU in float32"),
+                         ({"model": "x.gguf"}, "is a GGUF file")):
+        with pytest.raises(ValueError, match=message):
+            AppArgs(**{"model": llama_dir, "quantize": "q8_0", **bad})
