@@ -31,7 +31,7 @@ def server(llama_dir, tmp_path_factory):
     `controller_options` turn on Serve's throughput mode): HAProxy on port 8000, direct
     ingress, gRPC, and no RAY_SERVE_* variable in the environment. The other way in,
     `serve run deployments.app:build_app`, is test_import_path.py's; Serve's proxy actor
-    runs the structured-output and chaos modules and every in-process deployments test."""
+    runs the chaos module and every in-process deployments test."""
     tmp = tmp_path_factory.mktemp("serve")
     assert not [k for k in os.environ if k.startswith("RAY_SERVE_")], "unset RAY_SERVE_*"
     server = Server(tmp / "serve.log")
