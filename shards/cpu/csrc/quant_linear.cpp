@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -129,19 +130,47 @@ inline void dot_tile(const float* x, int64_t K, const float* sums, int64_t nb, c
       out[r * ldo + n] = _mm512_reduce_add_ps(acc[r][n]) + mins[r][n] + (bias ? bias[n] : 0.0f);
 }
 
-template <int64_t T, int NR>
-void dot_rows(int mr, const float* x, int64_t K, const float* sums, int64_t nb, const uint8_t* w,
-              int64_t row_bytes, float* out, int64_t ldo, const float* bias) {
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+// run(MR) with the step's row count as a constant: each tile shape compiles on its own.
+template <typename Run>
+void with_rows(int mr, Run&& run) {
   switch (mr) {
-    case 8: dot_tile<T, 8, NR>(x, K, sums, nb, w, row_bytes, out, ldo, bias); break;
-    case 7: dot_tile<T, 7, NR>(x, K, sums, nb, w, row_bytes, out, ldo, bias); break;
-    case 6: dot_tile<T, 6, NR>(x, K, sums, nb, w, row_bytes, out, ldo, bias); break;
-    case 5: dot_tile<T, 5, NR>(x, K, sums, nb, w, row_bytes, out, ldo, bias); break;
-    case 4: dot_tile<T, 4, NR>(x, K, sums, nb, w, row_bytes, out, ldo, bias); break;
-    case 3: dot_tile<T, 3, NR>(x, K, sums, nb, w, row_bytes, out, ldo, bias); break;
-    case 2: dot_tile<T, 2, NR>(x, K, sums, nb, w, row_bytes, out, ldo, bias); break;
-    default: dot_tile<T, 1, NR>(x, K, sums, nb, w, row_bytes, out, ldo, bias); break;
+    case 8: run(Int<8>{}); break;
+    case 7: run(Int<7>{}); break;
+    case 6: run(Int<6>{}); break;
+    case 5: run(Int<5>{}); break;
+    case 4: run(Int<4>{}); break;
+    case 3: run(Int<3>{}); break;
+    case 2: run(Int<2>{}); break;
+    default: run(Int<1>{}); break;
   }
+}
+
+// tile(MR, NR', r, n) for every tile of out[M, N]: threads claim 16 output rows at a time
+// (claim.h), cut into tiles of NR weight rows (the last ones of a task one at a time,
+// NR' = 1) by up to MAXR rows of x.
+template <int NR, int MAXR, typename Tile>
+void over_tiles(int64_t M, int64_t N, Tile&& tile) {
+  const int64_t tasks = (N + kTaskRows - 1) / kTaskRows;
+  for_each_claimed(tasks, [&] {
+    return [&](int64_t task) {
+      const int64_t n1 = std::min(N, (task + 1) * kTaskRows);
+      for (int64_t n = task * kTaskRows; n < n1; n += NR) {
+        const bool whole = n + NR <= n1;
+        for (int64_t r = 0; r < M; r += MAXR) {
+          with_rows(static_cast<int>(std::min<int64_t>(MAXR, M - r)), [&](auto mr) {
+            if (whole) {
+              tile(mr, Int<NR>{}, r, n);
+            } else {
+              for (int64_t j = n; j < n1; ++j) tile(mr, Int<1>{}, r, j);
+            }
+          });
+        }
+      }
+    };
+  });
 }
 
 // Tiles of NR weight rows by up to MAXR rows of x: 4 by 4 for steps of up to 4 rows, 2
@@ -158,26 +187,10 @@ void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row
         for (int64_t j = 0; j < kBlock; ++j) s += x[r * K + b * kBlock + j];
         sums[r * nb + b] = s;
       }
-  const int64_t tasks = (N + kTaskRows - 1) / kTaskRows;
-  for_each_claimed(tasks, [&] {
-    return [&](int64_t task) {
-      const int64_t n1 = std::min(N, (task + 1) * kTaskRows);
-      for (int64_t n = task * kTaskRows; n < n1; n += NR) {
-        const bool whole = n + NR <= n1;
-        for (int64_t r = 0; r < M; r += MAXR) {
-          const int mr = static_cast<int>(std::min<int64_t>(MAXR, M - r));
-          const float* b = bias ? bias + n : nullptr;
-          if (whole) {
-            dot_rows<T, NR>(mr, x + r * K, K, sums.data() + r * nb, nb, w + n * row_bytes,
-                            row_bytes, out + r * N + n, N, b);
-          } else {
-            for (int64_t j = n; j < n1; ++j)
-              dot_rows<T, 1>(mr, x + r * K, K, sums.data() + r * nb, nb, w + j * row_bytes,
-                             row_bytes, out + r * N + j, N, bias ? bias + j : nullptr);
-          }
-        }
-      }
-    };
+  over_tiles<NR, MAXR>(M, N, [&](auto mr, auto nr, int64_t r, int64_t n) {
+    dot_tile<T, decltype(mr)::value, decltype(nr)::value>(
+        x + r * K, K, sums.data() + r * nb, nb, w + n * row_bytes, row_bytes, out + r * N + n,
+        N, bias ? bias + n : nullptr);
   });
 }
 
@@ -353,45 +366,15 @@ inline void dot_tile_i8(const XQuant& xq, int64_t r0, int64_t K, int64_t nb, con
       out[r * ldo + n] = _mm512_reduce_add_ps(acc[r][n]) + corr[r][n] + (bias ? bias[n] : 0.0f);
 }
 
-template <int64_t T, int NR>
-void dot_rows_i8(int mr, const XQuant& xq, int64_t r0, int64_t K, int64_t nb, const uint8_t* w,
-                 int64_t row_bytes, float* out, int64_t ldo, const float* bias) {
-  switch (mr) {
-    case 8: dot_tile_i8<T, 8, NR>(xq, r0, K, nb, w, row_bytes, out, ldo, bias); break;
-    case 7: dot_tile_i8<T, 7, NR>(xq, r0, K, nb, w, row_bytes, out, ldo, bias); break;
-    case 6: dot_tile_i8<T, 6, NR>(xq, r0, K, nb, w, row_bytes, out, ldo, bias); break;
-    case 5: dot_tile_i8<T, 5, NR>(xq, r0, K, nb, w, row_bytes, out, ldo, bias); break;
-    case 4: dot_tile_i8<T, 4, NR>(xq, r0, K, nb, w, row_bytes, out, ldo, bias); break;
-    case 3: dot_tile_i8<T, 3, NR>(xq, r0, K, nb, w, row_bytes, out, ldo, bias); break;
-    case 2: dot_tile_i8<T, 2, NR>(xq, r0, K, nb, w, row_bytes, out, ldo, bias); break;
-    default: dot_tile_i8<T, 1, NR>(xq, r0, K, nb, w, row_bytes, out, ldo, bias); break;
-  }
-}
-
 template <int64_t T, int NR, int MAXR>
 void product_i8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
                 int64_t N, const float* bias, float* out) {
   const int64_t nb = K / kBlock;
   const XQuant xq = quantize_x(x, M, K, T != kQ8_0);
-  const int64_t tasks = (N + kTaskRows - 1) / kTaskRows;
-  for_each_claimed(tasks, [&] {
-    return [&](int64_t task) {
-      const int64_t n1 = std::min(N, (task + 1) * kTaskRows);
-      for (int64_t n = task * kTaskRows; n < n1; n += NR) {
-        const bool whole = n + NR <= n1;
-        for (int64_t r = 0; r < M; r += MAXR) {
-          const int mr = static_cast<int>(std::min<int64_t>(MAXR, M - r));
-          if (whole) {
-            dot_rows_i8<T, NR>(mr, xq, r, K, nb, w + n * row_bytes, row_bytes, out + r * N + n,
-                               N, bias ? bias + n : nullptr);
-          } else {
-            for (int64_t j = n; j < n1; ++j)
-              dot_rows_i8<T, 1>(mr, xq, r, K, nb, w + j * row_bytes, row_bytes, out + r * N + j,
-                                N, bias ? bias + j : nullptr);
-          }
-        }
-      }
-    };
+  over_tiles<NR, MAXR>(M, N, [&](auto mr, auto nr, int64_t r, int64_t n) {
+    dot_tile_i8<T, decltype(mr)::value, decltype(nr)::value>(
+        xq, r, K, nb, w + n * row_bytes, row_bytes, out + r * N + n, N,
+        bias ? bias + n : nullptr);
   });
 }
 #endif  // __AVX512VNNI__
@@ -408,50 +391,69 @@ bool quant_supported() {
 #endif
 }
 
-at::Tensor linear_quant(at::Tensor x, at::Tensor weight, int64_t type, int64_t out_features,
-                        std::optional<at::Tensor> bias) {
-  TORCH_CHECK(quant_supported(), "linear_quant: built without AVX-512");
-  TORCH_CHECK(block_bytes(type) > 0, "linear_quant: unknown quantization type ", type);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_quant: 2-d float32 x");
+namespace {
+
+// What both products check and need: x contiguous, the output, the bias.
+struct Call {
+  at::Tensor x, out, bias_keep;
+  const float* bias;
+  int64_t M, K, row_bytes;
+};
+
+Call check_call(const char* name, const at::Tensor& x, const at::Tensor& weight, int64_t type,
+                int64_t out_features, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(block_bytes(type) > 0, name, ": unknown quantization type ", type);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, ": 2-d float32 x");
   const int64_t K = x.size(1);
-  TORCH_CHECK(K % kBlock == 0, "linear_quant: ", K, " input features are not whole blocks");
+  TORCH_CHECK(K % kBlock == 0, name, ": ", K, " input features are not whole blocks");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
                   weight.size(0) == out_features &&
                   weight.size(1) == K / kBlock * block_bytes(type),
-              "linear_quant: weight ", weight.sizes(), " is not ", out_features, " rows of ",
+              name, ": weight ", weight.sizes(), " is not ", out_features, " rows of ",
               K / kBlock, " blocks");
-  const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0);
-  at::Tensor out = at::empty({M, out_features}, xc.options());
-  at::Tensor bc;
-  const float* b = bias_data(bias, out_features, "linear_quant", bc);
-  if (M == 0) return out;
+  Call call;
+  call.x = x.contiguous();
+  call.M = call.x.size(0);
+  call.K = K;
+  call.row_bytes = weight.size(1);
+  call.out = at::empty({call.M, out_features}, call.x.options());
+  call.bias = bias_data(bias, out_features, name, call.bias_keep);
+  return call;
+}
+
+// `run(type, NR, MAXR)` with the tile for the step's rows: 4 weight rows by 4 rows of x for
+// steps of up to 4 rows, 2 by 8 beyond (16 accumulators either way).
+template <int64_t T, typename Run>
+void with_tile(int64_t rows, Run&& run) {
+  if (rows <= 4)
+    run(std::integral_constant<int64_t, T>{}, std::integral_constant<int, 4>{},
+        std::integral_constant<int, 4>{});
+  else
+    run(std::integral_constant<int64_t, T>{}, std::integral_constant<int, 2>{},
+        std::integral_constant<int, 8>{});
+}
+
+}  // namespace
+
+at::Tensor linear_quant(at::Tensor x, at::Tensor weight, int64_t type, int64_t out_features,
+                        std::optional<at::Tensor> bias) {
+  TORCH_CHECK(quant_supported(), "linear_quant: built without AVX-512");
+  Call c = check_call("linear_quant", x, weight, type, out_features, bias);
+  if (c.M == 0) return c.out;
 #if defined(__AVX512F__)
-  const float* xp = xc.data_ptr<float>();
-  const uint8_t* wp = weight.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t row_bytes = weight.size(1);
-  const bool few = M <= 4;
+  const auto run = [&](auto t, auto nr, auto maxr) {
+    product<decltype(t)::value, decltype(nr)::value, decltype(maxr)::value>(
+        c.x.data_ptr<float>(), c.M, c.K, weight.data_ptr<uint8_t>(), c.row_bytes, out_features,
+        c.bias, c.out.data_ptr<float>());
+  };
   switch (type) {
-    case kQ4_0:
-      few ? product<kQ4_0, 4, 4>(xp, M, K, wp, row_bytes, out_features, b, op)
-          : product<kQ4_0, 2, 8>(xp, M, K, wp, row_bytes, out_features, b, op);
-      break;
-    case kQ4_1:
-      few ? product<kQ4_1, 4, 4>(xp, M, K, wp, row_bytes, out_features, b, op)
-          : product<kQ4_1, 2, 8>(xp, M, K, wp, row_bytes, out_features, b, op);
-      break;
-    case kQ8_0:
-      few ? product<kQ8_0, 4, 4>(xp, M, K, wp, row_bytes, out_features, b, op)
-          : product<kQ8_0, 2, 8>(xp, M, K, wp, row_bytes, out_features, b, op);
-      break;
-    default:
-      few ? product<kBF16, 4, 4>(xp, M, K, wp, row_bytes, out_features, b, op)
-          : product<kBF16, 2, 8>(xp, M, K, wp, row_bytes, out_features, b, op);
-      break;
+    case kQ4_0: with_tile<kQ4_0>(c.M, run); break;
+    case kQ4_1: with_tile<kQ4_1>(c.M, run); break;
+    case kQ8_0: with_tile<kQ8_0>(c.M, run); break;
+    default: with_tile<kBF16>(c.M, run); break;
   }
 #endif
-  return out;
+  return c.out;
 }
 
 bool quant_i8_supported() {
@@ -467,40 +469,19 @@ at::Tensor linear_quant_i8(at::Tensor x, at::Tensor weight, int64_t type, int64_
   TORCH_CHECK(quant_i8_supported(), "linear_quant_i8: built without AVX-512 VNNI");
   TORCH_CHECK(type == kQ4_0 || type == kQ4_1 || type == kQ8_0,
               "linear_quant_i8: takes Q4_0, Q4_1 or Q8_0 blocks, not type ", type);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "linear_quant_i8: 2-d float32 x");
-  const int64_t K = x.size(1);
-  TORCH_CHECK(K % kBlock == 0, "linear_quant_i8: ", K, " input features are not whole blocks");
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.is_contiguous() &&
-                  weight.size(0) == out_features &&
-                  weight.size(1) == K / kBlock * block_bytes(type),
-              "linear_quant_i8: weight ", weight.sizes(), " is not ", out_features, " rows of ",
-              K / kBlock, " blocks");
-  const at::Tensor xc = x.contiguous();
-  const int64_t M = xc.size(0);
-  at::Tensor out = at::empty({M, out_features}, xc.options());
-  at::Tensor bc;
-  const float* b = bias_data(bias, out_features, "linear_quant_i8", bc);
-  if (M == 0) return out;
+  Call c = check_call("linear_quant_i8", x, weight, type, out_features, bias);
+  if (c.M == 0) return c.out;
 #if defined(__AVX512VNNI__)
-  const float* xp = xc.data_ptr<float>();
-  const uint8_t* wp = weight.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  const int64_t row_bytes = weight.size(1);
-  const bool few = M <= 4;
+  const auto run = [&](auto t, auto nr, auto maxr) {
+    product_i8<decltype(t)::value, decltype(nr)::value, decltype(maxr)::value>(
+        c.x.data_ptr<float>(), c.M, c.K, weight.data_ptr<uint8_t>(), c.row_bytes, out_features,
+        c.bias, c.out.data_ptr<float>());
+  };
   switch (type) {
-    case kQ4_0:
-      few ? product_i8<kQ4_0, 4, 4>(xp, M, K, wp, row_bytes, out_features, b, op)
-          : product_i8<kQ4_0, 2, 8>(xp, M, K, wp, row_bytes, out_features, b, op);
-      break;
-    case kQ4_1:
-      few ? product_i8<kQ4_1, 4, 4>(xp, M, K, wp, row_bytes, out_features, b, op)
-          : product_i8<kQ4_1, 2, 8>(xp, M, K, wp, row_bytes, out_features, b, op);
-      break;
-    default:
-      few ? product_i8<kQ8_0, 4, 4>(xp, M, K, wp, row_bytes, out_features, b, op)
-          : product_i8<kQ8_0, 2, 8>(xp, M, K, wp, row_bytes, out_features, b, op);
-      break;
+    case kQ4_0: with_tile<kQ4_0>(c.M, run); break;
+    case kQ4_1: with_tile<kQ4_1>(c.M, run); break;
+    default: with_tile<kQ8_0>(c.M, run); break;
   }
 #endif
-  return out;
+  return c.out;
 }
