@@ -253,5 +253,4 @@ class ShardActor:
             # A GGUF file's quantized blocks: linears by type, and the steps that use them.
             "quant_types": self.runner.quant_types if self.runner else None,
             "quant_rows": self.runner.quant_rows if self.runner else None,
-            "quant_int8": self.runner.quant_int8 if self.runner else None,
         }

@@ -336,7 +336,6 @@ class ModelRunner:
             text += ": copy kept"
         logger.info(text)
 
-    # -- KV cache ----------------------------------------------------------------------
     def compute_path(self) -> dict:
         """How this rank computes (for /info and the logs): the device, the dtype the
         weights are multiplied in, the activations', the attention backend, and a GGUF
@@ -351,6 +350,7 @@ class ModelRunner:
                              if self.quant_types else None),
         }
 
+    # -- KV cache ----------------------------------------------------------------------
     @property
     def kv_heads(self) -> int:
         return self.model.model.layers[0].self_attn.num_kv_heads
