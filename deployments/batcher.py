@@ -91,7 +91,8 @@ class Batcher:
                                 load_tokenizer(args.model),
                                 model_config.eos_token_ids, self.group)
         self.metrics = Metrics(BATCHER)
-        self._counted = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "aborted": 0}
+        self._counted = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "aborted": 0,
+                         "draft_tokens": 0, "accepted_tokens": 0}
         self.engine_loop = AsyncEngine(self.engine, self.group.step_async, self._record_step,
                                        max_steps_in_flight=args.steps_in_flight)
         self._record_gauges()
@@ -207,13 +208,15 @@ class Batcher:
         load = self.load()
         m.set("raygen_queued_prompt_tokens", load["queued_tokens"])
         m.set("raygen_oldest_wait_seconds", load["queue_wait_s"])
-        totals = {"prefix_queries": bm.prefix_queries, "prefix_hits": bm.prefix_hits,
-                  "preemptions": scheduler.stats.num_preemptions,
-                  "aborted": scheduler.stats.num_aborted}
-        for key, total in totals.items():  # counters move by what changed since last time
-            name = f"raygen_{key.replace('prefix_', 'prefix_cache_')}"
-            if key == "aborted":
-                name = "raygen_aborted_requests"
+        stats = scheduler.stats
+        totals = {"raygen_prefix_cache_queries": ("prefix_queries", bm.prefix_queries),
+                  "raygen_prefix_cache_hits": ("prefix_hits", bm.prefix_hits),
+                  "raygen_preemptions": ("preemptions", stats.num_preemptions),
+                  "raygen_aborted_requests": ("aborted", stats.num_aborted),
+                  "raygen_speculation_draft_tokens": ("draft_tokens", stats.num_draft_tokens),
+                  "raygen_speculation_accepted_tokens": ("accepted_tokens",
+                                                         stats.num_accepted_tokens)}
+        for name, (key, total) in totals.items():  # counters move by what changed since
             m.inc(name, total - self._counted[key])
             self._counted[key] = total
 

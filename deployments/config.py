@@ -52,6 +52,13 @@ class AppArgs(BaseModel):
     waiting_served_ratio: float | None = Field(None, ge=0)
     max_waiting_tokens: int | None = Field(None, ge=0)
     enable_chunked_prefill: bool = default(SchedulerConfig, "enable_chunked_prefill")
+    speculate: int = Field(
+        default(SchedulerConfig, "speculate"), ge=0, le=16, description="TGI's --speculate: "
+        "up to this many draft tokens per decoding request, looked up in its own prompt and "
+        "output and checked in the same step (output unchanged; faster where answers copy "
+        "their input: edits, summaries, code, RAG). 0: off")
+    prompt_lookup_min: int = Field(default(SchedulerConfig, "prompt_lookup_min"), ge=1)
+    prompt_lookup_max: int = Field(default(SchedulerConfig, "prompt_lookup_max"), ge=1)
     enable_prefix_caching: bool = default(CacheConfig, "enable_prefix_caching")
     block_size: int = Field(default(CacheConfig, "block_size"), ge=1)
     num_blocks: int | None = Field(None, ge=1)
@@ -107,6 +114,8 @@ class AppArgs(BaseModel):
         if self.quantize is not None and self.model.endswith(".gguf"):
             raise ValueError(f"quantize={self.quantize}: model={self.model} is a GGUF file, "
                              "whose own blocks are multiplied as they are")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         if self.shard_cpus >= 1 and self.shard_cpus != int(self.shard_cpus):
             raise ValueError("shard_cpus of 1 or more is the whole number of cores each "
                              f"rank owns; got {self.shard_cpus}")
@@ -148,7 +157,8 @@ class AppArgs(BaseModel):
             waiting_served_ratio=self.waiting_served_ratio,
             max_waiting_tokens=self.max_waiting_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
-            max_model_len=max_model_len)
+            max_model_len=max_model_len, speculate=self.speculate,
+            prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)
 
     def cache_config(self, num_blocks: int) -> CacheConfig:
         return CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching)

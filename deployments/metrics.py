@@ -18,6 +18,7 @@ prom.disable_created_metrics()  # no *_created series: TGI dashboards do not exp
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+DRAFT_BUCKETS = (0.5, 1, 2, 3, 4, 6, 8, 12, 16)  # Ray takes no 0: zeros fall under 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,8 @@ INGRESS = {
     "tgi_request_mean_time_per_token_duration": Spec("histogram", "Mean time per token (s)"),
     "tgi_request_input_length": Spec("histogram", "Prompt tokens", (), TOKEN_BUCKETS),
     "tgi_request_generated_tokens": Spec("histogram", "Generated tokens", (), TOKEN_BUCKETS),
+    "tgi_request_skipped_tokens": Spec("histogram", "Speculated tokens: the draft tokens "
+                                       "kept in each step of a request", (), DRAFT_BUCKETS),
     "raygen_time_to_first_token_seconds": Spec("histogram", "Time to first token (s)"),
     "raygen_inter_token_latency_seconds": Spec("histogram", "Time between streamed tokens (s)"),
     "raygen_ingress_in_flight_requests": Spec("gauge", "Requests this ingress is serving"),
@@ -57,6 +60,9 @@ BATCHER = {
     "raygen_prefix_cache_hits": Spec("counter", "Prompt tokens served from the prefix cache"),
     "raygen_preemptions": Spec("counter", "Requests preempted for KV space (recomputed later)"),
     "raygen_aborted_requests": Spec("counter", "Requests aborted (client gone, deadline)"),
+    "raygen_speculation_draft_tokens": Spec("counter", "Draft tokens computed (prompt lookup)"),
+    "raygen_speculation_accepted_tokens": Spec("counter", "Draft tokens kept: each one a "
+                                               "token that took no step of its own"),
     # Output channels (deployments/channels.py): outputs per message is the batching.
     "raygen_output_channel_messages": Spec("counter", "Messages sent to ingress replicas "
                                            "through output channels (one per step each)"),

@@ -25,7 +25,8 @@ OFFLINE_ARGS = frozenset({
     "dtype", "max_batch_prefill_tokens", "max_batch_total_tokens", "max_batch_size",
     "waiting_served_ratio", "max_waiting_tokens", "enable_chunked_prefill",
     "enable_prefix_caching", "block_size", "num_blocks", "kv_cache_memory",
-    "gpu_memory_utilization", "attention_backend", "cpu_threads", "quant_products", "quantize"})
+    "gpu_memory_utilization", "attention_backend", "cpu_threads", "quant_products", "quantize",
+    "speculate", "prompt_lookup_min", "prompt_lookup_max"})
 
 
 class LLM:

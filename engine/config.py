@@ -37,6 +37,14 @@ class SchedulerConfig:
     max_waiting_tokens: int | None = None
     enable_chunked_prefill: bool = True
     max_model_len: int = 4096
+    # Prompt lookup (TGI's --speculate; vLLM's prompt_lookup_min / _max): up to `speculate`
+    # draft tokens per decoding request, found by matching its last n tokens.
+    speculate: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # Drafts fill a step up to this many rows, the running requests' own rows included
+    # (benchmarks/NOTES.md 60): none at all from this many running requests up.
+    speculate_max_rows: int = 16
 
     def __post_init__(self) -> None:
         if self.max_batch_prefill_tokens <= 0:
@@ -45,6 +53,11 @@ class SchedulerConfig:
             raise ValueError("max_batch_size must be positive")
         if (self.waiting_served_ratio or 0) < 0 or (self.max_waiting_tokens or 0) < 0:
             raise ValueError("waiting_served_ratio and max_waiting_tokens must be >= 0")
+        if self.speculate < 0:
+            raise ValueError("speculate must be >= 0")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt_lookup_min and prompt_lookup_max must satisfy "
+                             "1 <= prompt_lookup_min <= prompt_lookup_max")
 
     @property
     def admission(self) -> tuple[float, int]:

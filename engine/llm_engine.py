@@ -107,27 +107,37 @@ class LLMEngine:
                 results.append(RequestOutput(request_id, finished=True,
                                              finish_reason=FinishReason.ERROR, error=error,
                                              num_prompt_tokens=request.num_prompt_tokens))
-        rows = {request_id: row for row, request_id in enumerate(output.request_ids)}
-        for request in self.scheduler.update(scheduled, output):
-            results.append(self._make_output(request, output, rows[request.request_id]))
+        for request, rows in self.scheduler.update(scheduled, output):
+            results.append(self._make_output(request, output, rows))
         return results
 
-    def _make_output(self, request: Request, output: StepOutput, row: int) -> RequestOutput:
+    def _make_output(self, request: Request, output: StepOutput, rows: list[int]) -> RequestOutput:
+        """The step's tokens for one request (several where its drafts were kept); a stop
+        string found in one drops the tokens after it."""
         state = self._states[request.request_id]
-        token_id = output.token_ids[row]
-        piece = state.detokenizer.step(token_id)
-        finished = request.is_finished
-        if finished:
-            piece += state.detokenizer.flush()
-        if state.stop.append(piece) and not finished:
-            self.scheduler.finish(request.request_id, FinishReason.STOP_SEQUENCE)
-            finished = True
+        token_ids, pieces = [], []
+        finished = request.is_finished  # at its last row (eos, stop token, length)
+        for i, row in enumerate(rows):
+            token_ids.append(output.token_ids[row])
+            piece = state.detokenizer.step(token_ids[-1])
+            last = i == len(rows) - 1
+            if last and finished:
+                piece += state.detokenizer.flush()
+            pieces.append(piece)
+            if state.stop.append(piece) and not finished:
+                self.scheduler.finish(request.request_id, FinishReason.STOP_SEQUENCE)
+                finished = True
+                if not last:  # a stop string within this step's tokens: the rest go
+                    pieces[-1] += state.detokenizer.flush()
+                    break
+        kept = rows[:len(token_ids)]
         result = RequestOutput(
             request.request_id,
-            token_ids=[token_id],
-            token_texts=[piece],
-            logprobs=[output.logprobs[row]],
-            top_logprobs=[output.top_logprobs[row]] if output.top_logprobs else [[]],
+            token_ids=token_ids,
+            token_texts=pieces,
+            logprobs=[output.logprobs[row] for row in kept],
+            top_logprobs=([output.top_logprobs[row] for row in kept] if output.top_logprobs
+                          else [[] for _ in kept]),
             text=state.stop.take(finished),
             finished=finished,
             finish_reason=request.finish_reason,

@@ -39,6 +39,9 @@ class StepInput:
     # Batch order: request id -> tokens to compute this step.
     num_scheduled_tokens: dict[str, int]
     freed_request_ids: list[str] = field(default_factory=list)
+    # Decoding request id -> draft tokens computed after its next token (its scheduled
+    # tokens count them): the step keeps those that match what it draws, then one more.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -47,7 +50,9 @@ class StepInput:
 
 @dataclass(frozen=True, slots=True)
 class StepOutput:
-    """Rank 0's result: one sampled token per request that reached its last token."""
+    """Rank 0's result: one sampled token per request that reached its last token; a
+    request that drafted has one row per token it keeps (its kept drafts, then the token
+    drawn after them), in order."""
 
     request_ids: list[str]
     token_ids: list[int]

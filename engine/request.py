@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
+from engine.speculation import SpeculationState
 
 
 class RequestStatus(enum.Enum):
@@ -46,6 +47,9 @@ class Request:
     # Tokens being sampled by steps in flight, not yet known here. With async scheduling
     # the next step computes them anyway: the shards feed their own samples in.
     num_placeholders: int = 0
+    # Drafts computed by the step in flight (speculation: its n-gram index and record).
+    num_draft_tokens: int = 0
+    speculation: SpeculationState | None = None
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     first_scheduled_time: float | None = None

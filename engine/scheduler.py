@@ -12,6 +12,13 @@ A request whose sample is still in flight counts it as a placeholder token; the 
 computes that position anyway, because the shards feed their own samples in, and the
 token becomes known here when the step that sampled it returns. A request is never given
 a placeholder past its length limits, so only an EOS or a stop sequence wastes a row.
+
+Speculation (`speculate` > 0, engine/speculation.py): a decoding request whose tokens are
+all known may bring drafts, computed in the same step as its next token; the step keeps
+the drafts that match what the request draws, plus one token of its own. A request that
+speculates is not scheduled again until its step returns (the next positions depend on how
+many drafts it kept), so the scheduler drafts only while the batch is small, and a
+request whose drafts keep failing goes back to plain, overlapped decoding for a while.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
 from engine.messages import CachedRequestData, NewRequestData, StepInput, StepOutput
 from engine.request import FinishReason, Request, RequestStatus
+from engine.speculation import SpeculationState
 
 
 @dataclass(slots=True)
@@ -51,6 +59,8 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_aborted: int = 0
     num_steps: int = 0
+    num_draft_tokens: int = 0  # drafts computed
+    num_accepted_tokens: int = 0  # of which kept
 
 
 class Scheduler:
@@ -82,6 +92,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id}")
+        if self.config.speculate and request.params.grammar is None:
+            # A grammar's matcher cannot take tokens back yet: constrained rows never draft.
+            request.speculation = SpeculationState(self.config.prompt_lookup_min,
+                                                   self.config.prompt_lookup_max)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -103,6 +117,8 @@ class Scheduler:
             reserved = min(budget, sum(self._num_wanted(r) == 1 for r in self.running))
             budget -= reserved
 
+        drafts: dict[str, list[int]] = {}
+        draft_rows = self._draft_rows()
         i = 0
         while i < len(self.running):
             request = self.running[i]
@@ -115,17 +131,25 @@ class Scheduler:
                 if num_new == 0:
                     i += 1
                     continue
+            elif request.speculation is not None:
+                draft = self._draft(request, min(draft_rows, budget))
+                if draft:
+                    drafts[request.request_id] = draft
+                    draft_rows -= len(draft)
+                    budget -= len(draft)
+                    num_new += len(draft)
             total = request.num_computed_tokens + num_new
             while not self.block_manager.can_allocate(request.request_id, total):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
+                drafts.pop(victim.request_id, None)
                 if victim is request:
                     break
             else:
                 self.block_manager.allocate(request.request_id, total)
                 scheduled[request.request_id] = num_new
-                if num_new == 1:
+                if request.request_id in drafts or num_new == 1:
                     num_decode += 1
                 else:
                     budget -= num_new
@@ -138,7 +162,7 @@ class Scheduler:
         self.steps_since_admission = 0 if num_admitted or not had_running else (
             self.steps_since_admission + 1)
         num_prefill = self.config.max_batch_prefill_tokens - budget - reserved
-        step_input, sampling_ids = self._make_step_input(scheduled)
+        step_input, sampling_ids = self._make_step_input(scheduled, drafts)
         return SchedulerOutput(
             step_input, num_prefill, num_decode, num_admitted, preempted,
             concat_reason=concat_reason if had_running and num_admitted else None,
@@ -146,10 +170,47 @@ class Scheduler:
 
     def _num_wanted(self, request: Request) -> int:
         """Tokens a running request would compute next: 1 to decode, more for a prompt
-        catching up, 0 when its last sample is in flight and it may not grow."""
-        if request.num_placeholders and not self._may_grow(request):
+        catching up, 0 when its last sample is in flight and it may not grow, or when it
+        speculates (its next positions are known once that step returns)."""
+        if request.num_placeholders and (not self._may_grow(request)
+                                         or self._speculates(request)):
             return 0
         return request.num_tokens + request.num_placeholders - request.num_computed_tokens
+
+    # -- speculation ---------------------------------------------------------------
+    def _draft_rows(self) -> int:
+        """Draft tokens this step may compute in all: drafts are cheap while the step's
+        rows are few (its cost is the weights' reading), so they fill up to
+        `speculate_max_rows` rows beside the running requests' own."""
+        if not self.config.speculate:
+            return 0
+        return max(0, self.config.speculate_max_rows - len(self.running))
+
+    def _speculates(self, request: Request) -> bool:
+        """Whether the request waits for its step in flight: it brought drafts (its next
+        positions are not known yet), or it is likely to find some once that step's token
+        is known (`_hold`)."""
+        return request.num_draft_tokens > 0 or (
+            request.speculation is not None and request.speculation.hold)
+
+    def _hold(self, request: Request) -> None:
+        """With a step in flight, decide whether the request waits for it rather than
+        decode on at once: it does where its text so far (one token short) has a match,
+        since drafting needs every token known."""
+        spec = request.speculation
+        spec.hold = (spec.skip == 0 and self._draft_rows() > 0
+                     and bool(spec.propose(request.token_ids, 1)))
+
+    def _draft(self, request: Request, most: int) -> list[int]:
+        """Drafts for a decoding request whose tokens are all known: at most `most`, and
+        none past its length limits (the step yields one token more than it drafts)."""
+        spec = request.speculation
+        spec.hold = False
+        if not spec.wants_draft() or request.num_placeholders:
+            return []
+        left = min(request.params.max_new_tokens - request.num_output_tokens,
+                   self.config.max_model_len - request.num_tokens) - 1
+        return spec.propose(request.token_ids, min(self.config.speculate, most, left))
 
     def _may_grow(self, request: Request) -> bool:
         """Whether a request may sample past the tokens it has and those in flight."""
@@ -217,15 +278,18 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.on_shards, request.num_sent_blocks = False, 0
+        request.num_draft_tokens = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _make_step_input(self, scheduled: dict[str, int]) -> tuple[StepInput, list[str]]:
+    def _make_step_input(self, scheduled: dict[str, int], drafts: dict[str, list[int]]
+                         ) -> tuple[StepInput, list[str]]:
         new, cached, sampling = [], [], []
         for request_id, num_new in scheduled.items():
             request = self.requests[request_id]
             end = request.num_computed_tokens + num_new
+            num_drafts = len(drafts.get(request_id, ()))
             # Name only blocks whose tokens are known (a placeholder's are not yet).
             self.block_manager.cache_full_blocks(request_id, request.token_ids,
                                                  min(end, request.num_tokens))
@@ -240,37 +304,64 @@ class Scheduler:
                                                 request.num_computed_tokens))
             request.on_shards = True
             request.num_sent_blocks = len(block_ids)
-            if end == request.num_tokens + request.num_placeholders:  # reaches its end: samples
+            # Reaches its end: samples (drafts are checked, and the token after them drawn).
+            if end - num_drafts == request.num_tokens + request.num_placeholders:
                 request.num_placeholders += 1
+                request.num_draft_tokens = num_drafts
                 sampling.append(request_id)
             request.num_computed_tokens = end
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
         freed, self.freed_ids = self.freed_ids, []
         self.stats.num_steps += 1
-        return StepInput(new, cached, dict(scheduled), freed), sampling
+        return StepInput(new, cached, dict(scheduled), freed, drafts), sampling
 
     # -- results -------------------------------------------------------------------
-    def update(self, scheduled: SchedulerOutput, output: StepOutput | None) -> list[Request]:
-        """Append a step's sampled tokens (its placeholders become tokens); finish
-        requests on eos, stop tokens or length. Returns the requests that got a token
-        (finished ones included)."""
+    def update(self, scheduled: SchedulerOutput, output: StepOutput | None
+               ) -> list[tuple[Request, list[int]]]:
+        """Append a step's sampled tokens (its placeholders become tokens; a request that
+        drafted gets the drafts it kept and one more); finish requests on eos, stop tokens
+        or length. Returns each request that got tokens (finished ones included) with the
+        output rows it took, in order."""
         for request_id in scheduled.sampling_ids:
             request = self.requests.get(request_id)
             if request is not None:
                 request.num_placeholders -= 1
-        updated = []
+        updated: dict[str, tuple[Request, list[int]]] = {}
         for row, request_id in enumerate(output.request_ids if output else ()):
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
-                continue  # aborted while the step ran
+                continue  # aborted while the step ran, or ended at an earlier row
             token_id = output.token_ids[row]
             request.token_ids.append(token_id)
+            updated.setdefault(request_id, (request, []))[1].append(row)
             reason = self._check_stop(request, token_id)
             if reason is not None:
                 self.finish(request_id, reason)
-            updated.append(request)
-        return updated
+            elif request.speculation is not None and request.num_placeholders:
+                self._hold(request)
+        drafts = scheduled.step_input.draft_token_ids
+        if drafts and output is not None:
+            self._settle_drafts(drafts, output)
+        return list(updated.values())
+
+    def _settle_drafts(self, drafts: dict[str, list[int]], output: StepOutput) -> None:
+        """Count what the drafts bought; a request still running recomputes from the
+        first position whose draft failed (the shards overwrite those KV slots)."""
+        rows = dict.fromkeys(drafts, 0)
+        for request_id in output.request_ids:
+            if request_id in rows:
+                rows[request_id] += 1
+        for request_id, drafted in drafts.items():
+            kept = max(0, rows[request_id] - 1)
+            self.stats.num_draft_tokens += len(drafted)
+            self.stats.num_accepted_tokens += kept
+            request = self.requests.get(request_id)
+            if request is None or request.num_draft_tokens == 0:
+                continue  # ended (its blocks are freed), or preempted since
+            request.num_draft_tokens = 0
+            request.num_computed_tokens -= len(drafted) - kept
+            request.speculation.record(len(drafted), kept)
 
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.params

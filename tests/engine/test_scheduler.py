@@ -25,7 +25,7 @@ def req(rid: str, n: int = 5, max_new: int = 50, **params) -> Request:
 
 def step(s: Scheduler, w: FakeWorker):
     out = s.schedule()
-    result = s.update(out, w.step(out.step_input)) if not out.is_empty else []
+    result = [r for r, _ in s.update(out, w.step(out.step_input))] if not out.is_empty else []
     s.check_integrity()
     return out, result
 

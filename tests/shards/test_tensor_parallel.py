@@ -79,12 +79,18 @@ def test_tp2_equals_tp1_and_transformers_with_staggered_arrivals(llama_dir, toke
     assert outs[2] == outs[1] == ref
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_async_scheduling_equals_transformers(llama_dir, tokenizer, tp):
+@pytest.mark.parametrize("tp, speculate", [(1, 0), (2, 4)])
+def test_async_scheduling_equals_transformers(llama_dir, tokenizer, tp, speculate):
     """Two steps in flight over actor calls: each rank feeds its own (rank 0's, broadcast)
-    samples into the next step, scheduled before the batcher knew them."""
-    prompts = make_prompts(2048, PARITY_LENGTHS, seed=1)
-    llm = GroupLLM(llama_dir, tp, tokenizer, compiled_graph=False, max_batch_prefill_tokens=64)
+    samples into the next step, scheduled before the batcher knew them. At TP=2 with
+    drafts (prompt lookup): rank 0 broadcasts which drafts each request kept; prompts that
+    repeat themselves give the random-weight model text to copy."""
+    prompts, new_tokens = make_prompts(2048, PARITY_LENGTHS, seed=1), PARITY_NEW_TOKENS
+    if speculate:
+        repeated = [p * 3 for p in make_prompts(2048, [5, 12, 20, 33], seed=0)]
+        prompts, new_tokens = repeated + prompts[:6], [40] * 4 + new_tokens[:6]
+    llm = GroupLLM(llama_dir, tp, tokenizer, compiled_graph=False, max_batch_prefill_tokens=64,
+                   speculate=speculate)
     submitted, most_in_flight = [], [0]
 
     def run_step(step_input):
@@ -105,16 +111,18 @@ def test_async_scheduling_equals_transformers(llama_dir, tokenizer, tp):
                     for t in out.token_ids]
 
         return await asyncio.gather(*(one(i, p, n) for i, (p, n) in
-                                      enumerate(zip(prompts, PARITY_NEW_TOKENS, strict=True))))
+                                      enumerate(zip(prompts, new_tokens, strict=True))))
 
     try:
         outputs = asyncio.run(main())
         assert most_in_flight[0] == 2
         assert llm.engine.scheduler.block_manager.num_used_blocks == 0
+        stats = llm.engine.scheduler.stats
+        assert (stats.num_accepted_tokens > 0) == (speculate > 0)
     finally:
         llm.group.shutdown()
     assert outputs == [hf_greedy(llama_dir, p, n)
-                       for p, n in zip(prompts, PARITY_NEW_TOKENS, strict=True)]
+                       for p, n in zip(prompts, new_tokens, strict=True)]
 
 
 def test_each_rank_holds_about_half_the_weights(llama_dir):

@@ -1,0 +1,188 @@
+"""Prompt-lookup speculation in the server: `speculate=N` against `speculate=0`, one run.
+
+    python -m benchmarks.speculation --model models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+Starts raygen (`serve run`, the builder's defaults) once per setting and sends the same
+requests to each, greedy, through `/v1/chat/completions`:
+- `grounded`: answers that copy their input (repeat a paragraph, fix its typos, add type
+  hints to a function), at the concurrencies of `--grounded-concurrency`; the paragraphs
+  and functions are this repository's own docstrings and code, so the text is real;
+- `free`: answers that copy nothing (random words in, `ignore_eos`), at
+  `--free-concurrency`: what speculation may cost when it does not pay.
+Reports output tokens/s per cell, the ratio to `speculate=0`, the acceptance counters from
+`/metrics`, and whether every greedy answer was the same in both servers."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import json
+import random
+import re
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+
+from benchmarks import compare
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = ["engine", "deployments", "shards/worker", "shards/model"]
+
+
+def grounded_prompts(n: int, seed: int = 0) -> list[str]:
+    """Input-grounded tasks over real text: this repository's docstrings and functions."""
+    paragraphs, functions = [], []
+    for folder in SOURCES:
+        for path in sorted((ROOT / folder).glob("*.py")):
+            source = path.read_text()
+            tree = ast.parse(source)
+            doc = ast.get_docstring(tree)
+            if doc and 200 <= len(doc) <= 900:
+                paragraphs.append(" ".join(doc.split()))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.FunctionDef) and 4 <= node.end_lineno - node.lineno <= 14:
+                    functions.append(textwrap.dedent(
+                        ast.get_source_segment(source, node, padded=True)))
+    rng = random.Random(seed)
+    prompts = []
+    for i in range(n):
+        kind = i % 3
+        if kind == 0:
+            text = rng.choice(paragraphs)
+            prompts.append(f"Repeat the following text exactly, word for word.\n\n{text}")
+        elif kind == 1:
+            text = rng.choice(paragraphs)
+            words = text.split()
+            for j in rng.sample(range(len(words)), max(1, len(words) // 12)):
+                if len(words[j]) > 4:  # drop a letter: a typo to fix
+                    k = rng.randrange(1, len(words[j]) - 1)
+                    words[j] = words[j][:k] + words[j][k + 1:]
+            prompts.append("Fix the spelling mistakes in this text and write it out in "
+                           f"full.\n\n{' '.join(words)}")
+        else:
+            code = rng.choice(functions)
+            code = re.sub(r'\n\s*"""[\s\S]*?"""', "", code, count=1)  # its docstring goes
+            prompts.append(f"Add a docstring to this Python function and write it out in "
+                           f"full.\n\n```python\n{code}\n```")
+    return prompts
+
+
+def free_prompts(n: int, seed: int = 1) -> list[str]:
+    rng = random.Random(seed)
+    words = ("river", "glass", "orbit", "maple", "signal", "copper", "harbor", "lantern",
+             "meadow", "puzzle", "quartz", "saddle", "thunder", "velvet", "whistle", "yarn")
+    return [" ".join(rng.choice(words) for _ in range(60)) for _ in range(n)]
+
+
+async def one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: int,
+              ignore_eos: bool) -> tuple[str, int]:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    r = await client.post("/v1/chat/completions", json=body)
+    r.raise_for_status()
+    data = r.json()
+    return data["choices"][0]["message"]["content"], data["usage"]["completion_tokens"]
+
+
+async def load(model: str, prompts: list[str], concurrency: int, max_tokens: int,
+               ignore_eos: bool) -> dict:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{compare.PORT}",
+                                 timeout=1800) as client:
+        await one(client, model, "Hello", 4, False)  # warm
+        sem = asyncio.Semaphore(concurrency)
+
+        async def limited(prompt):
+            async with sem:
+                return await one(client, model, prompt, max_tokens, ignore_eos)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(limited(p) for p in prompts))
+        duration = time.perf_counter() - start
+    tokens = sum(n for _, n in results)
+    return {"concurrency": concurrency, "requests": len(prompts), "output_tokens": tokens,
+            "duration_s": round(duration, 2), "output_tok_s": round(tokens / duration, 2),
+            "texts": [t for t, _ in results]}
+
+
+def counters() -> dict[str, float]:
+    text = httpx.get(f"http://127.0.0.1:{compare.PORT}/metrics", timeout=10).text
+    found = {}
+    for name in ("raygen_speculation_draft_tokens_total",
+                 "raygen_speculation_accepted_tokens_total"):
+        m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
+        found[name] = float(m.group(1)) if m else 0.0
+    return found
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    p.add_argument("--speculate", type=int, default=4)
+    p.add_argument("--extra", default="", help="more builder args for both servers, "
+                   "`key=value+key=value`")
+    p.add_argument("--grounded-concurrency", default="1,8")
+    p.add_argument("--free-concurrency", default="16,32")
+    p.add_argument("--requests-per-concurrency", type=int, default=2)
+    p.add_argument("--min-requests", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cells = [("grounded", int(c)) for c in args.grounded_concurrency.split(",") if c] + \
+            [("free", int(c)) for c in args.free_concurrency.split(",") if c]
+    extra = f"+{args.extra}" if args.extra else ""
+    keys = [f"raygen-tp1@speculate=0{extra}", f"raygen-tp1@speculate={args.speculate}{extra}"]
+    ns = compare.parse_args(["--model", args.model, "--servers", ",".join(keys)])
+    servers = compare.make_servers(ns)
+    results: dict = {"model": args.model, "machine": compare.machine_description(args.model),
+                     "started": time.strftime("%Y-%m-%d %H:%M:%S"), "servers": {}}
+    for server in servers:
+        print(f"== {server.name}", flush=True)
+        proc = compare.start(server, out_dir / f"speculation-{len(results['servers'])}.log")
+        rows = {}
+        try:
+            for kind, c in cells:
+                n = max(args.min_requests, args.requests_per_concurrency * c)
+                prompts = grounded_prompts(n, seed=c) if kind == "grounded" else free_prompts(n, c)
+                before = counters()
+                row = asyncio.run(load(args.model, prompts, c, args.max_tokens, kind == "free"))
+                after = counters()
+                row.update({k.removeprefix("raygen_speculation_").removesuffix("_total"):
+                            after[k] - before[k] for k in after})
+                rows[f"{kind}@{c}"] = row
+                print(f"  {kind} c={c}: {row['output_tok_s']} tok/s, {row['output_tokens']} "
+                      f"tokens, drafts {row['draft_tokens']:.0f} kept {row['accepted_tokens']:.0f}",
+                      flush=True)
+        finally:
+            compare.stop(proc, server.stop_signal)
+        results["servers"][server.key] = rows
+    base, spec = (results["servers"][k] for k in keys)
+    print(f"\n| cell | speculate=0 tok/s | speculate={args.speculate} tok/s | ratio | drafts kept "
+          f"| same answers |\n|---|---|---|---|---|---|")
+    for cell in base:
+        a, b = base[cell], spec[cell]
+        kept = (f"{b['accepted_tokens']:.0f}/{b['draft_tokens']:.0f}" if b["draft_tokens"]
+                else "none")
+        same = sum(x == y for x, y in zip(a["texts"], b["texts"], strict=True))
+        ratio = b["output_tok_s"] / a["output_tok_s"]
+        results.setdefault("ratios", {})[cell] = round(ratio, 3)
+        print(f"| {cell} | {a['output_tok_s']} | {b['output_tok_s']} | {ratio:.2f}x | {kept} "
+              f"| {same}/{len(a['texts'])} |")
+    path = out_dir / f"speculation-{time.strftime('%Y-%m-%d-%H%M')}.json"
+    path.write_text(json.dumps(results, indent=1))
+    print(f"\nwritten: {path}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

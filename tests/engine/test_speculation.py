@@ -1,0 +1,129 @@
+"""Prompt-lookup speculation in the engine: the proposer, and the scheduler's handling of
+drafts with a fake shard that checks them as a shard does (output unchanged)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.speculation import MAX_BACKOFF_STEPS, SpeculationState
+from tests.engine.fake_worker import FakeWorker
+
+EOS = 3
+
+
+def copying_model(tokens: list[int]) -> int:
+    """Repeats the text 7 tokens back, except at every 11th position: drafts looked up in
+    the text are mostly right, sometimes wrong."""
+    if len(tokens) % 11 == 0:
+        return 10 + (tokens[-1] * 7 + len(tokens)) % 80
+    return tokens[-min(7, len(tokens))]
+
+
+def run(speculate: int, prompts: list[list[int]], num_blocks: int = 64, max_new: int = 40,
+        **knobs) -> tuple[dict[str, list[int]], Scheduler, int]:
+    config = SchedulerConfig(max_model_len=1024, speculate=speculate, **knobs)
+    s = Scheduler(config, CacheConfig(4, num_blocks), frozenset({EOS}))
+    w = FakeWorker(4, copying_model)
+    for i, prompt in enumerate(prompts):
+        s.add_request(Request(f"r{i}", list(prompt), SamplingParams(max_new_tokens=max_new),
+                              seed=0))
+    outputs = {f"r{i}": [] for i in range(len(prompts))}
+    steps = 0
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        steps += 1
+        for request, rows in s.update(out, w.step(out.step_input)):
+            outputs[request.request_id] += request.token_ids[-len(rows):]
+        s.check_integrity()
+        assert steps < 2000
+    return outputs, s, steps
+
+
+PROMPTS = [[11 + (i * 5 + j) % 13 for j in range(9 + 3 * i)] for i in range(4)]
+
+
+def test_proposer_drafts_what_followed_the_latest_longest_match():
+    spec = SpeculationState(min_n=2, max_n=4)
+    tokens = [1, 2, 3, 9, 8, 1, 2, 3, 7, 5, 6, 1, 2, 3]
+    # The longest suffix seen before is [1, 2, 3]; its latest occurrence is followed by 7.
+    assert spec.propose(tokens, 4) == [7, 5, 6, 1]
+    assert spec.propose(tokens, 2) == [7, 5]
+    assert spec.propose(tokens + [4], 4) == []  # [3, 4] never occurred
+    # The index grows with the text: the same answers as a fresh one.
+    longer = tokens + [4, 9, 8, 1, 2]
+    assert spec.propose(longer, 3) == SpeculationState(2, 4).propose(longer, 3) == [3, 7, 5]
+    assert spec.propose(longer, 0) == []
+
+
+def test_failed_drafts_back_off_doubling_and_a_kept_one_resets():
+    spec = SpeculationState(2, 4)
+    skips = []
+    for _ in range(8):
+        spec.record(4, 0)
+        skips.append(spec.skip)
+        while not spec.wants_draft():
+            pass
+    assert skips == [1, 2, 4, 8, 16, 32, 32, 32][:len(skips)]
+    assert max(skips) == MAX_BACKOFF_STEPS
+    spec.record(4, 1)
+    assert spec.skip == 0 and spec.failures == 0 and spec.wants_draft()
+    assert (spec.drafted, spec.accepted) == (36, 1)
+
+
+@pytest.mark.parametrize("num_blocks", [64, 20])  # 20: preemption while drafting
+def test_drafts_leave_every_output_unchanged_in_fewer_steps(num_blocks):
+    plain, s0, plain_steps = run(0, PROMPTS, num_blocks)
+    fast, s4, fast_steps = run(4, PROMPTS, num_blocks)
+    assert fast == plain
+    assert all(len(out) == 40 for out in fast.values())
+    assert s0.stats.num_draft_tokens == 0
+    assert 0 < s4.stats.num_accepted_tokens < s4.stats.num_draft_tokens  # some kept, some not
+    assert fast_steps < 0.7 * plain_steps
+    if num_blocks == 20:
+        assert s4.stats.num_preemptions > 0
+
+
+def test_a_drafting_request_waits_for_its_step_and_counts_its_drafts_in_the_budget():
+    config = SchedulerConfig(max_model_len=1024, speculate=4, max_batch_prefill_tokens=64)
+    s = Scheduler(config, CacheConfig(4, 64), frozenset({EOS}))
+    w = FakeWorker(4, copying_model)
+    s.add_request(Request("a", [11, 12, 13, 14, 15, 16, 17, 11, 12],
+                          SamplingParams(max_new_tokens=30), seed=0))
+    out = s.schedule()
+    s.update(out, w.step(out.step_input))  # the prompt; its first token, 13
+    first = s.schedule()
+    assert first.step_input.draft_token_ids == {"a": [14, 15, 16, 17]}
+    assert first.step_input.num_scheduled_tokens == {"a": 5}
+    # Scheduled again before that step returns (async scheduling): it waits, since its
+    # next positions depend on how many drafts the step keeps.
+    assert s.schedule().is_empty
+    s.update(first, w.step(first.step_input))
+    request = s.requests["a"]
+    assert request.num_computed_tokens == request.num_tokens - 1
+    s.check_integrity()
+
+
+def test_drafts_stay_within_the_length_limits():
+    outputs, s, _ = run(4, PROMPTS, max_new=6)
+    assert all(len(out) == 6 for out in outputs.values())
+    outputs, s, _ = run(4, PROMPTS[:1], num_blocks=300, max_new=2000)
+    assert len(PROMPTS[0]) + len(outputs["r0"]) == 1024  # max_model_len, not a token more
+
+
+def test_no_drafts_for_grammar_rows_or_a_full_batch():
+    config = SchedulerConfig(max_model_len=1024, speculate=4, speculate_max_rows=4)
+    s = Scheduler(config, CacheConfig(4, 64), frozenset({EOS}))
+    s.add_request(Request("g", [11, 12], SamplingParams(grammar='{"type": "object"}'), seed=0))
+    assert s.requests["g"].speculation is None
+    s.abort("g")
+    w = FakeWorker(4, copying_model)
+    for i in range(4):  # four running requests fill speculate_max_rows: no drafts
+        s.add_request(Request(f"r{i}", [11, 12, 13, 11, 12, 13], SamplingParams(), seed=0))
+    for _ in range(5):
+        out = s.schedule()
+        assert not out.step_input.draft_token_ids
+        s.update(out, w.step(out.step_input))

@@ -1,0 +1,94 @@
+"""Prompt-lookup speculation on the real model (SmolLM2's GGUF file, in process): drafts
+change how many steps a generation takes, never what it outputs, greedy or seeded, with
+logprobs, penalties and stop strings."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+
+from deployments.offline import LLM
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+from tests.reference import smollm2_gguf
+
+PARAGRAPH = ("Ray Serve runs Python code as deployments, scales them across a cluster, and "
+             "streams tokens over HTTP. Each replica holds its own copy of the model.")
+PROMPTS = [
+    f"Repeat this text exactly, word for word.\n\nText: {PARAGRAPH}\n\nRepeated text:",
+    f"Fix the spelling: {PARAGRAPH.replace('cluster', 'clustr').replace('tokens', 'tokns')}"
+    "\n\nCorrected:",
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):",
+    "What is the capital of France?",
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(str(smollm2_gguf()), speculate=4, num_blocks=256)
+
+
+@contextlib.contextmanager
+def without_drafts(llm):
+    """The same engine and weights with speculation off, for the reference run."""
+    scheduler = llm.engine.scheduler
+    config = scheduler.config
+    scheduler.config = dataclasses.replace(config, speculate=0)
+    try:
+        yield
+    finally:
+        scheduler.config = config
+
+
+def generate(llm, params, prompts=PROMPTS, drafts=True):
+    stats = llm.engine.scheduler.stats
+    before = (stats.num_steps, stats.num_draft_tokens, stats.num_accepted_tokens)
+    with contextlib.nullcontext() if drafts else without_drafts(llm):
+        outputs = llm.generate(prompts, params)
+    after = (stats.num_steps, stats.num_draft_tokens, stats.num_accepted_tokens)
+    return outputs, [b - a for a, b in zip(before, after, strict=True)]
+
+
+def test_greedy_output_is_the_same_with_drafts_in_fewer_steps(llm):
+    params = SamplingParams(max_new_tokens=48)
+    plain, (plain_steps, drafted, _) = generate(llm, params, drafts=False)
+    fast, (fast_steps, drafted, accepted) = generate(llm, params)
+    for a, b in zip(plain, fast, strict=True):
+        assert b.token_ids == a.token_ids
+        assert b.text == a.text and b.finish_reason == a.finish_reason
+    assert accepted > 0.5 * drafted > 0
+    assert fast_steps <= plain_steps  # the batch lasts as long as its longest answer
+    # One request alone (concurrency 1): the copy takes well under a step a token.
+    alone, (steps, _, accepted) = generate(llm, params, PROMPTS[:1])
+    assert alone[0].token_ids == plain[0].token_ids
+    print(f"alone: {len(alone[0].token_ids)} tokens in {steps} steps; batch: {drafted} "
+          f"drafted, {accepted} kept")
+    assert steps < 0.6 * len(alone[0].token_ids) and accepted > 0
+
+
+def test_seeded_sampling_with_penalties_and_logprobs_is_the_same_with_drafts(llm):
+    params = SamplingParams(max_new_tokens=40, temperature=0.7, top_p=0.9, seed=1234,
+                            repetition_penalty=1.05, top_n_tokens=2)
+    plain, _ = generate(llm, params, drafts=False)
+    fast, (_, drafted, accepted) = generate(llm, params)
+    assert accepted > 0
+    for a, b in zip(plain, fast, strict=True):
+        assert b.token_ids == a.token_ids
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-3)
+        assert [[t for t, _ in top] for top in b.top_logprobs] == \
+            [[t for t, _ in top] for top in a.top_logprobs]
+
+
+def test_a_stop_string_inside_a_step_of_drafts_ends_there(llm):
+    plain, _ = generate(llm, SamplingParams(max_new_tokens=48), PROMPTS[:1], drafts=False)
+    text = plain[0].text
+    stop = "scales them"
+    assert stop in text[5:]
+    fast, (_, _, accepted) = generate(
+        llm, SamplingParams(max_new_tokens=48, stop=(stop,)), PROMPTS[:1])
+    assert accepted > 0
+    assert fast[0].finish_reason is FinishReason.STOP_SEQUENCE
+    assert fast[0].text == text[: text.index(stop)]
+    assert fast[0].token_ids == plain[0].token_ids[: len(fast[0].token_ids)]
