@@ -2,8 +2,11 @@
 `import_path` of serve_config.yaml. Deployment options (replicas, autoscaling) come from
 the config's `deployments:` section; the builder sets what the model dictates."""
 
+import atexit
 import os
 import sys
+import threading
+import time
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
 
@@ -127,6 +130,38 @@ def start_ray_in_throughput_mode(args: AppArgs, starts_ray: bool | None = None,
     return env
 
 
+def exit_nonzero_if_deploy_fails() -> None:
+    """`serve run IMPORT_PATH` ends with status 0 when the application fails to deploy
+    (a replica that cannot start; Ray's CLI ends every error with a bare `sys.exit()`).
+    Watch the deployment from the CLI's process and, where it failed, end the process with
+    status 1 once the CLI has shut Serve down and printed why."""
+    failed = threading.Event()
+
+    def watch() -> None:
+        while not ray.is_initialized():
+            time.sleep(0.2)
+        while True:
+            try:
+                statuses = [a.status for a in serve.status().applications.values()]
+            except Exception:  # Serve not started yet, or already gone
+                statuses = []
+            if "DEPLOY_FAILED" in statuses:
+                failed.set()
+                return
+            if statuses and all(status == "RUNNING" for status in statuses):
+                return  # deployed: Serve replaces replicas that fail from here on
+            time.sleep(0.2)
+
+    def exit_status() -> None:
+        if failed.is_set():
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+
+    threading.Thread(target=watch, name="raygen-deploy-watch", daemon=True).start()
+    atexit.register(exit_status)  # before Ray's own (LIFO): it runs after them
+
+
 def check_model(args: AppArgs) -> None:
     """What can be known of the checkpoint before any replica starts, so that a bad
     `model=` or `tensor_parallel_size=` is one clear line, not a replica that fails where
@@ -165,6 +200,9 @@ def build_app(args: AppArgs) -> Application:
             raise SystemExit(1) from None
         raise
     start_ray_in_throughput_mode(args)
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None and ctx.command.name == "run" and not ray.is_initialized():
+        exit_nonzero_if_deploy_fails()
     # One /metrics for every replica (deployments/metrics_hub.py); its calls are all async.
     hub = MetricsHub.options(ray_actor_options=replica_actor_options(args, 0)).bind()
     batcher = BatcherDeployment.options(

@@ -161,7 +161,8 @@ class Scheduler:
             num_admitted, budget = self._admit(scheduled, budget)
         self.steps_since_admission = 0 if num_admitted or not had_running else (
             self.steps_since_admission + 1)
-        num_prefill = self.config.max_batch_prefill_tokens - budget - reserved
+        num_drafted = sum(map(len, drafts.values()))  # decode rows, not prompt tokens
+        num_prefill = self.config.max_batch_prefill_tokens - budget - reserved - num_drafted
         step_input, sampling_ids = self._make_step_input(scheduled, drafts)
         return SchedulerOutput(
             step_input, num_prefill, num_decode, num_admitted, preempted,

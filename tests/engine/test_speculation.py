@@ -98,6 +98,7 @@ def test_a_drafting_request_waits_for_its_step_and_counts_its_drafts_in_the_budg
     first = s.schedule()
     assert first.step_input.draft_token_ids == {"a": [14, 15, 16, 17]}
     assert first.step_input.num_scheduled_tokens == {"a": 5}
+    assert (first.num_decode_tokens, first.num_prefill_tokens) == (1, 0)  # a decode step
     # Scheduled again before that step returns (async scheduling): it waits, since its
     # next positions depend on how many drafts the step keeps.
     assert s.schedule().is_empty
@@ -105,6 +106,15 @@ def test_a_drafting_request_waits_for_its_step_and_counts_its_drafts_in_the_budg
     request = s.requests["a"]
     assert request.num_computed_tokens == request.num_tokens - 1
     s.check_integrity()
+    # A step budget of 3 tokens, one of them the decode's own: two drafts at most.
+    tight = Scheduler(SchedulerConfig(max_model_len=1024, speculate=4,
+                                      max_batch_prefill_tokens=3), CacheConfig(4, 64))
+    w = FakeWorker(4, copying_model)
+    tight.add_request(Request("a", [11, 12, 13, 14, 15, 16, 17, 11, 12],
+                              SamplingParams(max_new_tokens=30), seed=0))
+    while not (out := tight.schedule()).step_input.draft_token_ids:
+        tight.update(out, w.step(out.step_input))
+    assert out.step_input.draft_token_ids["a"] == [14, 15]
 
 
 def test_drafts_stay_within_the_length_limits():
