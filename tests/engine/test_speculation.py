@@ -3,6 +3,8 @@ drafts with a fake shard that checks them as a shard does (output unchanged)."""
 
 from __future__ import annotations
 
+from collections import deque
+
 import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
@@ -137,3 +139,31 @@ def test_no_drafts_for_grammar_rows_or_a_full_batch():
         out = s.schedule()
         assert not out.step_input.draft_token_ids
         s.update(out, w.step(out.step_input))
+
+
+def test_with_two_steps_in_flight_only_as_many_wait_as_the_next_step_has_drafts_for():
+    """Async scheduling: a request waits for its step in flight only to draft, and no more
+    of them wait than the next step has draft rows for (here 6 - 4 running = 2 rows, so
+    one request of 4 drafts at a time); the others decode on, overlapped. Output is the
+    same as one step at a time without drafts."""
+    plain, _, _ = run(0, PROMPTS)
+    config = SchedulerConfig(max_model_len=1024, speculate=4, speculate_max_rows=6)
+    s = Scheduler(config, CacheConfig(4, 64), frozenset({EOS}))
+    w = FakeWorker(4, copying_model)
+    for i, prompt in enumerate(PROMPTS):
+        s.add_request(Request(f"r{i}", list(prompt), SamplingParams(max_new_tokens=40), seed=0))
+    outputs = {f"r{i}": [] for i in range(len(PROMPTS))}
+    in_flight: deque = deque()
+    most_waiting = steps = 0
+    while s.has_unfinished_requests() or in_flight:
+        while len(in_flight) < 2 and not (out := s.schedule()).is_empty:
+            in_flight.append((out, w.step(out.step_input)))  # the shard runs them in order
+        waiting = sum(r.num_draft_tokens > 0 or r.speculation.hold for r in s.running)
+        most_waiting = max(most_waiting, waiting)
+        out, result = in_flight.popleft()
+        for request, rows in s.update(out, result):
+            outputs[request.request_id] += request.token_ids[-len(rows):]
+        steps += 1
+        assert steps < 1000
+    assert outputs == plain
+    assert most_waiting == 1 and s.stats.num_accepted_tokens > 0
