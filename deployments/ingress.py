@@ -161,7 +161,8 @@ class Ingress:
             "max_batch_prefill_tokens": a.max_batch_prefill_tokens,
             "max_batch_total_tokens": a.max_batch_total_tokens,
             "max_waiting_tokens": max_waiting_tokens, "max_batch_size": a.max_batch_size,
-            "waiting_served_ratio": waiting_served_ratio, "validation_workers": 1,
+            "waiting_served_ratio": waiting_served_ratio, "speculate": a.speculate,
+            "validation_workers": 1,
             "max_client_batch_size": 1, "router": "raygen", "version": "0.1.0", "sha": None,
             "docker_label": None,
             # raygen's own: how the shards compute (the weight products, the attention).

@@ -149,6 +149,7 @@ def test_tokenize_and_info(app, tokenizer):
     assert info["max_input_tokens"] == 64 and info["max_total_tokens"] == 128
     # The admission policy in effect: TGI v3 with chunked prefill admits at every step.
     assert (info["waiting_served_ratio"], info["max_waiting_tokens"]) == (0, 0)
+    assert info["speculate"] == 0  # TGI's field: draft tokens per step, off by default
     # What runs, not what was asked (dtype=auto): float32 weights on CPU, raygen's kernel.
     assert (info["model_dtype"], info["model_device_type"]) == ("float32", "cpu")
     assert info["raygen"] == {"tensor_parallel_size": 1, "compute_path": {

@@ -87,6 +87,7 @@ def test_an_answer_that_copies_its_input_keeps_drafts_and_equals_transformers(cl
         time.sleep(0.5)
     kept = counters["raygen_speculation_accepted_tokens_total"]
     assert 0 < kept <= counters["raygen_speculation_draft_tokens_total"]
+    assert httpx.get(f"{BASE}/info", timeout=10).json()["speculate"] == 4
 
 
 def test_a_json_schema_answer_validates(client, model_name):
