@@ -10,7 +10,9 @@ requests to each, greedy, through `/v1/chat/completions`:
 - `free`: answers that copy nothing (random words in, `ignore_eos`), at
   `--free-concurrency`: what speculation may cost when it does not pay.
 Reports output tokens/s per cell, the ratio to `speculate=0`, the acceptance counters from
-`/metrics`, and whether every greedy answer was the same in both servers."""
+`/metrics`, and whether every greedy answer was the same in both servers. `--peers
+llama-server` also drives llama.cpp's server (built by `make peers`) on the same file and
+requests, and reports raygen with drafts against it."""
 
 from __future__ import annotations
 
@@ -130,6 +132,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests-per-concurrency", type=int, default=2)
     p.add_argument("--min-requests", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=160)
+    p.add_argument("--peers", default="", help="comma list of benchmarks.compare servers "
+                   "to run on the same requests (llama-server)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     return p.parse_args(argv)
 
@@ -142,27 +146,29 @@ def main(argv: list[str] | None = None) -> dict:
             [("free", int(c)) for c in args.free_concurrency.split(",") if c]
     extra = f"+{args.extra}" if args.extra else ""
     keys = [f"raygen-tp1@speculate=0{extra}", f"raygen-tp1@speculate={args.speculate}{extra}"]
-    ns = compare.parse_args(["--model", args.model, "--servers", ",".join(keys)])
+    peers = [k for k in args.peers.split(",") if k]
+    ns = compare.parse_args(["--model", args.model, "--servers", ",".join(keys + peers)])
     servers = compare.make_servers(ns)
     results: dict = {"model": args.model, "machine": compare.machine_description(args.model),
                      "started": time.strftime("%Y-%m-%d %H:%M:%S"), "servers": {}}
     for server in servers:
         print(f"== {server.name}", flush=True)
+        peer = server.key in peers
         proc = compare.start(server, out_dir / f"speculation-{len(results['servers'])}.log")
         rows = {}
         try:
             for kind, c in cells:
                 n = max(args.min_requests, args.requests_per_concurrency * c)
                 prompts = grounded_prompts(n, seed=c) if kind == "grounded" else free_prompts(n, c)
-                before = counters()
+                before = {} if peer else counters()
                 row = asyncio.run(load(args.model, prompts, c, args.max_tokens, kind == "free"))
-                after = counters()
+                after = {} if peer else counters()
                 row.update({k.removeprefix("raygen_speculation_").removesuffix("_total"):
                             after[k] - before[k] for k in after})
                 rows[f"{kind}@{c}"] = row
                 print(f"  {kind} c={c}: {row['output_tok_s']} tok/s, {row['output_tokens']} "
-                      f"tokens, drafts {row['draft_tokens']:.0f} kept {row['accepted_tokens']:.0f}",
-                      flush=True)
+                      f"tokens, drafts {row.get('draft_tokens', 0):.0f} kept "
+                      f"{row.get('accepted_tokens', 0):.0f}", flush=True)
         finally:
             compare.stop(proc, server.stop_signal)
         results["servers"][server.key] = rows
@@ -178,6 +184,12 @@ def main(argv: list[str] | None = None) -> dict:
         results.setdefault("ratios", {})[cell] = round(ratio, 3)
         print(f"| {cell} | {a['output_tok_s']} | {b['output_tok_s']} | {ratio:.2f}x | {kept} "
               f"| {same}/{len(a['texts'])} |")
+    for key in peers:
+        for cell, row in results["servers"].get(key, {}).items():
+            ratio = spec[cell]["output_tok_s"] / row["output_tok_s"]
+            results.setdefault("peer_ratios", {}).setdefault(key, {})[cell] = round(ratio, 3)
+            print(f"{cell}: {key} {row['output_tok_s']} tok/s ({row['output_tokens']} tokens); "
+                  f"raygen speculate={args.speculate} / {key} = {ratio:.2f}x")
     path = out_dir / f"speculation-{time.strftime('%Y-%m-%d-%H%M')}.json"
     path.write_text(json.dumps(results, indent=1))
     print(f"\nwritten: {path}")
