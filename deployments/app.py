@@ -36,8 +36,13 @@ from shards.model.config import ModelConfig
 # served went from 11.3 to 5.7 s, benchmarks/NOTES.md 36).
 # Requests go to the replica holding their prompt's prefix (deployments/router.py), from
 # stats each replica reports every second; a config's `request_router_config` replaces it.
+# A replica that fails to start fails the deploy at once: what stops a batcher starting (a
+# model it cannot read, a KV cache that does not fit) fails it again, and Serve's default
+# of three tries reloaded the model twice more before saying so (`serve run` took 33 s to
+# exit). A replica that fails after one has started is replaced as before.
 BatcherDeployment = serve.deployment(
     Batcher, name="Batcher", max_ongoing_requests=256, max_queued_requests=512,
+    max_constructor_retry_count=1,
     health_check_period_s=2, health_check_timeout_s=30, graceful_shutdown_timeout_s=60,
     graceful_shutdown_wait_loop_s=0.5,
     request_router_config=RequestRouterConfig(
