@@ -22,6 +22,7 @@ from deployments.config import DEMO_MODEL, AppArgs
 from deployments.ingress import Ingress
 from deployments.metrics_hub import MetricsHub
 from deployments.router import ROUTER_PATH
+from shards.checkpoints.adapters import read_adapter_config
 from shards.checkpoints.loader import checkpoint_files
 from shards.checkpoints.resolve import CheckpointError, gguf_file, model_dir
 from shards.model.config import ModelConfig
@@ -172,6 +173,8 @@ def check_model(args: AppArgs) -> None:
     `model=` or `tensor_parallel_size=` is one clear line, not a replica that fails where
     the console cannot see it. A GGUF file is converted here (once per node, cached), so
     the replicas on this node start from the converted directory."""
+    for name, path in args.adapters:  # what the adapter's own files say
+        read_adapter_config(name, path, args.max_lora_rank)
     if args.model == DEMO_MODEL and not Path(args.model).exists():
         return  # written by the replicas at start (shards/demo_model.py)
     config = ModelConfig.from_pretrained(args.model)

@@ -89,7 +89,8 @@ class Batcher:
         self.engine = LLMEngine(args.scheduler_config(max_total_tokens),
                                 args.cache_config(num_blocks),
                                 load_tokenizer(args.model),
-                                model_config.eos_token_ids, self.group)
+                                model_config.eos_token_ids, self.group,
+                                frozenset(name for name, _ in args.adapters))
         self.metrics = Metrics(BATCHER)
         self._counted = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "aborted": 0,
                          "draft_tokens": 0, "accepted_tokens": 0}

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import CacheConfig, SchedulerConfig
+from shards.checkpoints.adapters import parse_lora_adapters
 from shards.shard_config import ShardConfig
 
 DEMO_MODEL = "models/demo-tiny"
@@ -59,6 +60,14 @@ class AppArgs(BaseModel):
         "their input: edits, summaries, code, RAG). 0: off")
     prompt_lookup_min: int = Field(default(SchedulerConfig, "prompt_lookup_min"), ge=1)
     prompt_lookup_max: int = Field(default(SchedulerConfig, "prompt_lookup_max"), ge=1)
+    lora_adapters: str | dict[str, str] | None = Field(
+        None, description="LoRA adapters (PEFT directories) to serve beside the base model: "
+        "`name=path,name=path` as TGI's LORA_ADAPTERS, or a mapping in a config file. A "
+        "request picks one by TGI's `adapter_id` or OpenAI's `model` (`name` or `base:name`)")
+    max_loras: int = Field(default(SchedulerConfig, "max_loras"), ge=1, description="most "
+                           "adapters whose requests run in one step (vLLM's name)")
+    max_lora_rank: int = Field(default(ShardConfig, "max_lora_rank"), ge=1,
+                               description="an adapter of a larger rank is refused at start")
     enable_prefix_caching: bool = default(CacheConfig, "enable_prefix_caching")
     block_size: int = Field(default(CacheConfig, "block_size"), ge=1)
     num_blocks: int | None = Field(None, ge=1)
@@ -114,6 +123,7 @@ class AppArgs(BaseModel):
         if self.quantize is not None and self.model.endswith(".gguf"):
             raise ValueError(f"quantize={self.quantize}: model={self.model} is a GGUF file, "
                              "whose own blocks are multiplied as they are")
+        parse_lora_adapters(self.lora_adapters)  # its own message names the entry
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("prompt_lookup_min must be <= prompt_lookup_max")
         if self.shard_cpus >= 1 and self.shard_cpus != int(self.shard_cpus):
@@ -158,7 +168,8 @@ class AppArgs(BaseModel):
             max_waiting_tokens=self.max_waiting_tokens,
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_model_len=max_model_len, speculate=self.speculate,
-            prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max)
+            prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
+            max_loras=self.max_loras)
 
     def cache_config(self, num_blocks: int) -> CacheConfig:
         return CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching)
@@ -172,7 +183,13 @@ class AppArgs(BaseModel):
             num_blocks=self.num_blocks, kv_cache_memory=self.kv_cache_memory,
             gpu_memory_utilization=self.gpu_memory_utilization,
             attention_backend=self.attention_backend, cpu_threads=self.cpu_threads,
-            quant_products=self.quant_products, quantize=self.quantize, **self.core_plan())
+            quant_products=self.quant_products, quantize=self.quantize,
+            lora_adapters=self.adapters, max_lora_rank=self.max_lora_rank, **self.core_plan())
+
+    @property
+    def adapters(self) -> tuple[tuple[str, str], ...]:
+        """The LoRA adapters as (name, path) pairs, in the order they take slots."""
+        return parse_lora_adapters(self.lora_adapters)
 
     @property
     def cores_per_rank(self) -> int | None:
@@ -219,9 +236,10 @@ class Limits:
     max_stop_sequences: int
     max_best_of: int
     max_top_n_tokens: int
+    adapters: tuple[str, ...] = ()  # the LoRA adapters a request may name
 
 
 def server_limits(args: AppArgs, max_position_embeddings: int) -> Limits:
     max_input, max_total = token_limits(args, max_position_embeddings)
     return Limits(max_input, max_total, args.max_stop_sequences, args.max_best_of,
-                  args.max_top_n_tokens)
+                  args.max_top_n_tokens, tuple(name for name, _ in args.adapters))

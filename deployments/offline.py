@@ -26,7 +26,8 @@ OFFLINE_ARGS = frozenset({
     "waiting_served_ratio", "max_waiting_tokens", "enable_chunked_prefill",
     "enable_prefix_caching", "block_size", "num_blocks", "kv_cache_memory",
     "gpu_memory_utilization", "attention_backend", "cpu_threads", "quant_products", "quantize",
-    "speculate", "prompt_lookup_min", "prompt_lookup_max"})
+    "speculate", "prompt_lookup_min", "prompt_lookup_max", "lora_adapters", "max_loras",
+    "max_lora_rank"})
 
 
 class LLM:
@@ -53,7 +54,8 @@ class LLM:
         self.engine = LLMEngine(app_args.scheduler_config(max_model_len
                                                           or mc.max_position_embeddings),
                                 app_args.cache_config(num_blocks), self.tokenizer,
-                                mc.eos_token_ids, self.runner)
+                                mc.eos_token_ids, self.runner,
+                                frozenset(name for name, _ in app_args.adapters))
         self._ids = itertools.count()
         self._async: AsyncEngine | None = None
 

@@ -39,9 +39,24 @@ def error_response(status: int, message: str, error_type: str) -> JSONResponse:
                                    "code": error_type}}, status_code=status)
 
 
-def models_json(name: str) -> dict:
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
-                                        "owned_by": "raygen"}]}
+def models_json(name: str, adapters: tuple[str, ...] = ()) -> dict:
+    """The base model, then each LoRA adapter with the base as its parent (as vLLM lists
+    them)."""
+    return {"object": "list", "data": [
+        {"id": name, "object": "model", "created": 0, "owned_by": "raygen"},
+        *({"id": a, "object": "model", "created": 0, "owned_by": "raygen", "parent": name}
+          for a in adapters)]}
+
+
+class ModelNotFound(LookupError):
+    """A `model` that names neither the served model nor one of its adapters."""
+
+
+def not_found(model: str) -> JSONResponse:
+    """vLLM's answer to a model it does not serve."""
+    return JSONResponse({"error": {"message": f"The model `{model}` does not exist.",
+                                   "type": "NotFoundError", "param": None, "code": 404}},
+                        status_code=404)
 
 
 def _finish(reason: FinishReason | None) -> str | None:
@@ -67,7 +82,22 @@ class OpenAIApi:
             self.admission.check_auth(request)
         except Exception as exc:
             return self.error(exc)
-        return JSONResponse(models_json(self.model_name))
+        return JSONResponse(models_json(self.model_name, self.limits.adapters))
+
+    def adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter that `model` names (`name`, or `base:name` as Ray Serve LLM
+        names it), None for the base model. With adapters loaded, any other name is an
+        unknown model; without, `model` is not checked (as TGI's OpenAI routes)."""
+        if model is None or model == self.model_name:
+            return None
+        base, colon, name = model.partition(":")
+        if colon and base == self.model_name and name in self.limits.adapters:
+            return name
+        if model in self.limits.adapters:
+            return model
+        if colon or self.limits.adapters:
+            raise ModelNotFound(model)
+        return None
 
     async def _grammar(self, req, chat: bool) -> tuple[str | None, bool]:
         """(the grammar of `tools` or of `response_format`, checked, or None for free text;
@@ -91,6 +121,7 @@ class OpenAIApi:
         try:
             req = await self.admission.read(
                 request, schema.ChatRequest if chat else schema.CompletionRequest)
+            adapter = self.adapter(req.model)
             constraint, tool_calls = await self._grammar(req, chat)
             runs = []
             for prompt_ids in schema.prompts(self.tokenizer, req, chat):
@@ -98,8 +129,10 @@ class OpenAIApi:
                 for i in range(req.n):
                     seed = params.seed + i if params.seed is not None else random.getrandbits(63)
                     runs.append(Generation(new_request_id(), prompt_ids, dataclasses.replace(
-                        params, seed=seed, grammar=constraint)))
+                        params, seed=seed, grammar=constraint, adapter=adapter)))
             self.admission.admit()
+        except ModelNotFound as exc:
+            return not_found(str(exc))
         except Exception as exc:
             return self.error(exc)
         rid = new_request_id("chatcmpl-" if chat else "cmpl-")

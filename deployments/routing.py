@@ -70,8 +70,9 @@ def unpack_hashes(data: bytes) -> frozenset[int]:
     return frozenset(values)
 
 
-def chain(token_ids: list[int], block_size: int) -> list[int]:
-    return [h & _MASK for h in prefix_block_hashes(token_ids, block_size)]
+def chain(token_ids: list[int], block_size: int, adapter: str | None = None) -> list[int]:
+    """The block names a replica gives the prompt's blocks (under its LoRA adapter)."""
+    return [h & _MASK for h in prefix_block_hashes(token_ids, block_size, adapter)]
 
 
 @dataclass(slots=True)
@@ -115,7 +116,8 @@ class PrefixIndex:
             n += 1
         return n
 
-    def decide(self, token_ids: list[int], stats: dict, loads: dict) -> tuple[str, object]:
+    def decide(self, token_ids: list[int], stats: dict, loads: dict,
+               adapter: str | None = None) -> tuple[str, object]:
         """stats: replica -> its report (None if missing); loads: replica -> requests it
         is serving (None: use its report). Returns ('prefix', holder), ('balance', the
         least busy other replica) or, with no prefix known, ('fallback', the least busy
@@ -124,7 +126,7 @@ class PrefixIndex:
         if not fresh or len(token_ids) < 2:
             return "fallback", self._least_busy(stats, fresh, loads)
         block_size = next(iter(fresh.values()))["block_size"]
-        names = chain(token_ids, block_size)
+        names = chain(token_ids, block_size, adapter)
         matched = {r: self.matched_blocks(r, s, names) for r, s in fresh.items()}
         load = {r: (loads.get(r) if loads.get(r) is not None else s["running"] + s["waiting"])
                 + self.in_transit(r) for r, s in fresh.items()}
@@ -155,10 +157,11 @@ class PrefixIndex:
         low = min(load.values())
         return random.choice([r for r, n in load.items() if n == low])
 
-    def remember(self, replica, token_ids: list[int], block_size: int) -> None:
+    def remember(self, replica, token_ids: list[int], block_size: int,
+                 adapter: str | None = None) -> None:
         recent = self._recent.setdefault(replica, OrderedDict())
         now = time.monotonic()
-        for h in chain(token_ids, block_size):
+        for h in chain(token_ids, block_size, adapter):
             recent[h] = now
             recent.move_to_end(h)
         while recent and (now - next(iter(recent.values())) > self.recent_ttl_s

@@ -45,6 +45,9 @@ class SchedulerConfig:
     # Drafts fill a step up to this many rows, the running requests' own rows included
     # (benchmarks/NOTES.md 60): none at all from this many running requests up.
     speculate_max_rows: int = 16
+    # LoRA: the most adapters whose requests run in one step (vLLM's max_loras); a
+    # request of another adapter waits until one of them has no request left running.
+    max_loras: int = 4
 
     def __post_init__(self) -> None:
         if self.max_batch_prefill_tokens <= 0:
@@ -53,6 +56,8 @@ class SchedulerConfig:
             raise ValueError("max_batch_size must be positive")
         if (self.waiting_served_ratio or 0) < 0 or (self.max_waiting_tokens or 0) < 0:
             raise ValueError("waiting_served_ratio and max_waiting_tokens must be >= 0")
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be >= 1")
         if self.speculate < 0:
             raise ValueError("speculate must be >= 0")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -36,10 +36,12 @@ class _OutputState:
 
 class LLMEngine:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 tokenizer: Any, eos_token_ids: frozenset[int], worker: Worker | None = None):
+                 tokenizer: Any, eos_token_ids: frozenset[int], worker: Worker | None = None,
+                 adapters: frozenset[str] = frozenset()):
         self.scheduler = Scheduler(scheduler_config, cache_config, eos_token_ids)
         self.tokenizer = tokenizer
         self.worker = worker
+        self.adapters = adapters  # the LoRA adapters the worker holds, by name
         self._states: dict[str, _OutputState] = {}
 
     # -- requests --------------------------------------------------------------------
@@ -47,6 +49,8 @@ class LLMEngine:
                     params: SamplingParams, arrival_time: float | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError("the prompt must have at least one token")
+        if params.adapter is not None and params.adapter not in self.adapters:
+            raise ValueError(f"LoRA adapter {params.adapter!r} is not loaded")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = Request(request_id, list(prompt_token_ids), params, seed)
         if arrival_time is not None:

@@ -27,6 +27,8 @@ class SamplingParams:
     # An llguidance grammar (JSON or Lark text, as `LLMatcher.grammar_from_*` make them):
     # each token is drawn from what it allows, and EOS only where it accepts.
     grammar: str | None = None
+    # The LoRA adapter to generate with (a name the server loaded), None for the base model.
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         checks = [

@@ -245,13 +245,24 @@ class Scheduler:
     def _admit(self, scheduled: dict[str, int], budget: int) -> tuple[int, int]:
         max_size = self.config.max_batch_size
         num_admitted = 0
-        while self.waiting and budget > 0 and (max_size is None or len(self.running) < max_size):
-            request = self.waiting[0]
+        # LoRA adapters with requests running: a request of another one waits while
+        # max_loras do, and those behind it go first (as vLLM's scheduler skips it).
+        adapters = {r.params.adapter for r in self.running if r.params.adapter is not None}
+        at = 0
+        while at < len(self.waiting) and budget > 0 and (
+                max_size is None or len(self.running) < max_size):
+            request = self.waiting[at]
+            adapter = request.params.adapter
+            if (adapter is not None and adapter not in adapters
+                    and len(adapters) >= self.config.max_loras):
+                at += 1
+                continue
             if request.num_placeholders:
                 break  # preempted with a sample in flight: back once that sample is known
             computed, num_cached = [], 0
             if not request.params.prompt_logprobs:  # cached tokens would have no logprobs
-                computed, num_cached = self.block_manager.get_computed_blocks(request.token_ids)
+                computed, num_cached = self.block_manager.get_computed_blocks(
+                    request.token_ids, request.params.adapter)
             num_new = request.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and num_new > budget:
                 # Without chunking a prompt goes whole. One that can never fit is
@@ -269,7 +280,9 @@ class Scheduler:
                     continue
                 break
             self.block_manager.allocate(request.request_id, total, computed)
-            self.waiting.popleft()
+            del self.waiting[at]
+            if adapter is not None:
+                adapters.add(adapter)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_cached
             if request.num_preemptions == 0:
@@ -302,7 +315,8 @@ class Scheduler:
             num_drafts = len(drafts.get(request_id, ()))
             # Name only blocks whose tokens are known (a placeholder's are not yet).
             self.block_manager.cache_full_blocks(request_id, request.token_ids,
-                                                 min(end, request.num_tokens))
+                                                 min(end, request.num_tokens),
+                                                 request.params.adapter)
             block_ids = self.block_manager.get_block_ids(request_id)
             if not request.on_shards:
                 new.append(NewRequestData(request_id, list(request.token_ids),

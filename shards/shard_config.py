@@ -41,3 +41,7 @@ class ShardConfig:
     # Not a server argument: auto won everywhere it was measured (docs/performance.md);
     # tests and benchmarks pick the others to check them.
     cpu_matmul: str = "auto"
+    # LoRA adapters (name, PEFT directory), held in slots 1, 2, ... in this order, and the
+    # largest rank one may have (shards/model/lora.py).
+    lora_adapters: tuple[tuple[str, str], ...] = ()
+    max_lora_rank: int = 64

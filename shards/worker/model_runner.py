@@ -46,6 +46,7 @@ from shards.model.layers import (
     widen_bf16_weights,
 )
 from shards.model.llama import CausalLM
+from shards.model.lora import LoRAAdapters
 from shards.model.sampler import SampleRow, sample
 from shards.shard_config import ShardConfig
 
@@ -113,6 +114,7 @@ class _Seq:
     num_computed_tokens: int
     params: SamplingParams
     seed: int
+    lora_slot: int = 0  # its LoRA adapter's slot, 0 for the base model
 
 
 def resolve_device(name: str) -> torch.device:
@@ -200,6 +202,13 @@ class ModelRunner:
         if isinstance(self.backend, CpuPagedAttentionBackend):
             use_cpu_kernels(self.model, self.backend.kernel)
             logger.info("RMSNorm and rotary embedding: raygen's CPU kernels")
+        self.lora: LoRAAdapters | None = None
+        if config.lora_adapters:
+            self.lora = LoRAAdapters(self.model, config.max_lora_rank, self.dtype)
+            for slot, (name, path) in enumerate(config.lora_adapters, start=1):
+                spec = self.lora.load(name, path, slot)
+                logger.info("LoRA adapter %s: rank %d over %s (%s)", name, spec.rank,
+                            ", ".join(spec.target_modules), path)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.seqs: dict[str, _Seq] = {}
@@ -402,8 +411,11 @@ class ModelRunner:
     # -- the step ------------------------------------------------------------------
     def step(self, step: StepInput) -> StepOutput | None:
         self._apply_diff(step)
-        # Decodes first: the attention backend handles them as one batched call.
-        order = sorted(step.num_scheduled_tokens, key=lambda r: step.num_scheduled_tokens[r] != 1)
+        # Decodes first: the attention backend handles them as one batched call. Within
+        # each, rows of one LoRA adapter side by side: its layers add its delta per run.
+        order = sorted(step.num_scheduled_tokens, key=lambda r: (
+            step.num_scheduled_tokens[r] != 1, self.seqs[r].lora_slot))
+        lora_runs: list[tuple[int, int, int]] = []
         input_ids, positions, slots = [], [], []
         decodes, prefills = [], []
         logit_rows: list[int] = []  # hidden rows that need logits
@@ -416,6 +428,11 @@ class ModelRunner:
             draft = step.draft_token_ids.get(request_id, [])
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             row0 = len(input_ids)
+            if seq.lora_slot:
+                if lora_runs and lora_runs[-1][0] == seq.lora_slot and lora_runs[-1][2] == row0:
+                    lora_runs[-1] = (seq.lora_slot, lora_runs[-1][1], row0 + n)
+                else:
+                    lora_runs.append((seq.lora_slot, row0, row0 + n))
             input_ids.extend(seq.token_ids[start:end - len(draft)])
             input_ids.extend(draft)
             positions.extend(range(start, end))
@@ -446,8 +463,14 @@ class ModelRunner:
         dev = self.device
         positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
         meta = self._metadata(decodes, prefills, positions_t, len(input_ids), slots)
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev), positions_t,
-                            self.kv_caches, meta)
+        if self.lora is not None:
+            self.lora.batch.runs = lora_runs
+        try:
+            hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
+                                positions_t, self.kv_caches, meta)
+        finally:
+            if self.lora is not None:
+                self.lora.batch.runs = []
         logits = None
         if logit_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
@@ -492,7 +515,8 @@ class ModelRunner:
         for new in step.new_requests:
             self.seqs[new.request_id] = _Seq(list(new.token_ids), new.num_prompt_tokens,
                                              list(new.block_ids), new.num_computed_tokens,
-                                             new.params, new.seed)
+                                             new.params, new.seed,
+                                             self.lora_slot(new.params.adapter))
             if self.grammars is not None and new.params.grammar is not None:
                 self.grammars.add(new.request_id, new.params.grammar,
                                   new.token_ids[new.num_prompt_tokens:])
@@ -500,6 +524,13 @@ class ModelRunner:
             seq = self.seqs[cached.request_id]
             seq.block_ids.extend(cached.new_block_ids)
             seq.num_computed_tokens = cached.num_computed_tokens
+
+    def lora_slot(self, adapter: str | None) -> int:
+        if adapter is None:
+            return 0
+        if self.lora is None or adapter not in self.lora.slots:
+            raise ValueError(f"LoRA adapter {adapter!r} is not loaded on this shard")
+        return self.lora.slots[adapter]
 
     def _metadata(self, decodes, prefills, positions, num_tokens, slots=None) -> AttentionMetadata:
         dev = self.device

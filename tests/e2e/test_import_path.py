@@ -19,7 +19,7 @@ import httpx
 import jsonschema
 import pytest
 import yaml
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError, NotFoundError, OpenAI
 from text_generation import AsyncClient, Client
 from text_generation.errors import ValidationError
 from text_generation.types import Grammar, GrammarType
@@ -28,14 +28,22 @@ from benchmarks.disconnects import run_round
 from deployments.offline import LLM
 from engine.sampling_params import SamplingParams
 from tests.e2e.serving import BASE, ROOT, listener, replica_environ, serve_run
+from tests.reference import peft_greedy, write_adapters
 from tests.shards.test_grammar import REGEXES, SCHEMAS
 
 
 @pytest.fixture(scope="module")
-def server(llama_dir, tmp_path_factory):
+def adapters(llama_dir, tmp_path_factory) -> dict[str, str]:
+    return write_adapters(llama_dir, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir, adapters, tmp_path_factory):
     assert not [k for k in os.environ if k.startswith("RAY_SERVE_")], "unset RAY_SERVE_*"
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with serve_run([f"model={llama_dir}", "num_blocks=1024"], log):
+    loras = ",".join(f"{name}={path}" for name, path in adapters.items())
+    with serve_run([f"model={llama_dir}", "num_blocks=1024", "served_model_name=m",
+                    f"lora_adapters={loras}"], log):
         yield log
 
 
@@ -61,6 +69,44 @@ def test_streams_equal_offline_and_leaving_clients_are_aborted(server, llama_dir
     result = run_round(BASE, streams=16)
     assert result.blocks_used == 0 and result.running == 0
     assert result.aborted == 16
+
+
+# -- LoRA adapters -----------------------------------------------------------------------
+def test_lora_adapters_by_tgi_adapter_id_and_openai_model(server, llama_dir, adapters,
+                                                          openai_client, tokenizer):
+    """TGI's `adapter_id` and OpenAI's `model` (the adapter's name, or `base:name`) pick an
+    adapter: its tokens equal transformers + PEFT; unknown names get TGI's 422 and vLLM's
+    404; /v1/models lists the adapters under the base model."""
+    prompt = "Tona sefi mole dasu"
+    ids = tokenizer(prompt).input_ids
+    for name in ("alpha", "gamma"):
+        r = httpx.post(BASE + "/generate", timeout=60, json={"inputs": prompt, "parameters": {
+            "max_new_tokens": 10, "adapter_id": name, "details": True}})
+        assert r.status_code == 200, r.text
+        tokens = [t["id"] for t in r.json()["details"]["tokens"]]
+        assert tokens == peft_greedy(llama_dir, adapters[name], ids, 10), name
+        for model in (name, f"m:{name}"):
+            completion = openai_client.completions.create(model=model, prompt=prompt,
+                                                          max_tokens=10, temperature=0)
+            assert completion.choices[0].text == r.json()["generated_text"], model
+    r = httpx.post(BASE + "/generate", timeout=60, json={"inputs": prompt, "parameters": {
+        "adapter_id": "zeta"}})
+    assert r.status_code == 422 and r.json()["error_type"] == "validation"
+    assert "`adapter_id` zeta is not loaded" in r.json()["error"], r.text
+    for model in ("m:zeta", "zeta"):
+        with pytest.raises(NotFoundError, match="The model `.*zeta` does not exist"):
+            openai_client.completions.create(model=model, prompt=prompt, max_tokens=2)
+    listed = {m.id: getattr(m, "parent", None) for m in openai_client.models.list().data}
+    assert listed == {"m": None, "alpha": "m", "beta": "m", "gamma": "m"}
+    # Per adapter in /metrics: one TGI and two OpenAI requests each, 10 tokens apiece.
+    want = [f'raygen_lora_requests_total{{adapter="{a}"}} 3.0' for a in ("alpha", "gamma")] \
+        + [f'raygen_lora_generated_tokens_total{{adapter="{a}"}} 30.0' for a in ("alpha", "gamma")]
+    deadline = time.monotonic() + 30  # replicas push their metrics every 2 s
+    text = httpx.get(BASE + "/metrics", timeout=10).text
+    while not all(w in text for w in want) and time.monotonic() < deadline:
+        time.sleep(1)
+        text = httpx.get(BASE + "/metrics", timeout=10).text
+    assert all(w in text for w in want), [line for line in text.splitlines() if "lora" in line]
 
 
 # -- constrained output ------------------------------------------------------------------

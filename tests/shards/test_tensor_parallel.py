@@ -63,7 +63,8 @@ class GroupLLM:
         mc = ModelConfig.from_pretrained(model_dir)
         self.engine = LLMEngine(SchedulerConfig(max_model_len=2048, **knobs),
                                 CacheConfig(16, self.group.num_blocks), tokenizer,
-                                mc.eos_token_ids, self.group)
+                                mc.eos_token_ids, self.group,
+                                frozenset(name for name, _ in config.lora_adapters))
 
 
 def test_tp2_equals_tp1_and_transformers_with_staggered_arrivals(llama_dir, tokenizer):
@@ -77,6 +78,34 @@ def test_tp2_equals_tp1_and_transformers_with_staggered_arrivals(llama_dir, toke
     ref = {f"r{i}": hf_greedy(llama_dir, p, n)
            for i, (p, n) in enumerate(zip(prompts, PARITY_NEW_TOKENS, strict=True))}
     assert outs[2] == outs[1] == ref
+
+
+def test_lora_adapters_at_tp2_equal_peft_in_a_mixed_batch(llama_dir, tokenizer,
+                                                          tmp_path_factory):
+    """Each rank holds its slice of every adapter (B's rows of q/k/v and gate/up, A's
+    columns of o and down, whose partial deltas the all-reduce sums): a batch of the base
+    model and three adapters equals transformers + PEFT, request by request."""
+    from tests.reference import peft_greedy, write_adapters
+
+    adapters = write_adapters(llama_dir, tmp_path_factory)
+    prompts = make_prompts(2048, [5, 17, 33, 9, 40, 3, 21, 12], seed=3)
+    which = [None, "alpha", "beta", "gamma", "alpha", None, "gamma", "beta"]
+    llm = GroupLLM(llama_dir, 2, tokenizer, shard={"lora_adapters": tuple(adapters.items())},
+                   max_batch_prefill_tokens=64)
+    try:
+        for i, (prompt, adapter) in enumerate(zip(prompts, which, strict=True)):
+            llm.engine.add_request(f"r{i}", prompt,
+                                   SamplingParams(max_new_tokens=10, adapter=adapter))
+        got = {f"r{i}": [] for i in range(len(prompts))}
+        while llm.engine.has_unfinished_requests():
+            for out in llm.engine.step():
+                got[out.request_id].extend(out.token_ids)
+    finally:
+        llm.group.shutdown()
+    for i, (prompt, adapter) in enumerate(zip(prompts, which, strict=True)):
+        expected = (hf_greedy(llama_dir, prompt, 10) if adapter is None
+                    else peft_greedy(llama_dir, adapters[adapter], prompt, 10))
+        assert got[f"r{i}"] == expected, adapter
 
 
 @pytest.mark.parametrize("tp, speculate", [(1, 0), (2, 4)])

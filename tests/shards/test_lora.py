@@ -1,0 +1,115 @@
+"""LoRA adapters against transformers + peft on the same adapter files, token for token, in
+batches that mix the base model and several adapters; the prefix cache never shares a
+block across adapters; bad adapters are refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from deployments.offline import LLM
+from engine.sampling_params import SamplingParams
+from shards.checkpoints.adapters import AdapterError, parse_lora_adapters, read_adapter_config
+from tests.reference import ADAPTERS, hf_greedy, make_prompts, peft_greedy, write_adapters
+
+
+@pytest.fixture(scope="module")
+def adapters(llama_dir, tmp_path_factory) -> dict[str, str]:
+    return write_adapters(llama_dir, tmp_path_factory)
+
+
+
+def test_a_mixed_batch_equals_transformers_and_peft_for_every_adapter(llama_dir, adapters):
+    llm = LLM(llama_dir, num_blocks=256, lora_adapters=adapters)
+    prompts = make_prompts(2048, [5, 17, 33, 9, 40, 3, 21, 12], seed=3)
+    new_tokens = [12, 7, 10, 16, 5, 14, 9, 11]
+    which = [None, "alpha", "beta", "gamma", "alpha", None, "gamma", "beta"]
+    outs = llm.generate(prompts, [SamplingParams(max_new_tokens=n, adapter=a)
+                                  for n, a in zip(new_tokens, which, strict=True)])
+    for prompt, n, adapter, out in zip(prompts, new_tokens, which, outs, strict=True):
+        expected = (hf_greedy(llama_dir, prompt, n) if adapter is None
+                    else peft_greedy(llama_dir, adapters[adapter], prompt, n))
+        assert out.token_ids == expected, adapter
+    # Each adapter answers otherwise than the base model on the same prompt.
+    base = llm.generate(prompts[:3], SamplingParams(max_new_tokens=16))
+    adapted = llm.generate(prompts[:3], [SamplingParams(max_new_tokens=16, adapter=a)
+                                         for a in ADAPTERS])
+    assert all(b.token_ids != a.token_ids for b, a in zip(base, adapted, strict=True))
+
+
+def test_the_prefix_cache_shares_blocks_within_an_adapter_never_across(llama_dir, adapters):
+    llm = LLM(llama_dir, num_blocks=256, lora_adapters=adapters)
+    prompt = make_prompts(2048, [70], seed=5)[0]
+
+    def cached(adapter):
+        llm.generate([prompt], SamplingParams(max_new_tokens=2, adapter=adapter))
+        return llm.engine.scheduler.block_manager.prefix_hits
+
+    hits = [cached(a) for a in (None, "alpha", "beta", "alpha", None)]
+    assert hits[:3] == [0, 0, 0]  # the same tokens under another adapter: nothing shared
+    assert hits[3] == 64 and hits[4] == 128  # the same adapter again: 4 blocks of 16 each
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=6, adapter="beta"))[0]
+    assert out.token_ids == peft_greedy(llama_dir, adapters["beta"], prompt, 6)
+
+
+def test_max_loras_keeps_other_adapters_waiting_and_loses_nothing(llama_dir, adapters):
+    llm = LLM(llama_dir, num_blocks=256, lora_adapters=adapters, max_loras=1)
+    prompts = make_prompts(2048, [6, 8, 10, 12, 7, 9], seed=8)
+    which = ["alpha", "beta", "alpha", "gamma", None, "beta"]
+    for i, (prompt, adapter) in enumerate(zip(prompts, which, strict=True)):
+        llm.engine.add_request(f"r{i}", prompt, SamplingParams(max_new_tokens=6, adapter=adapter))
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            got[out.request_id].extend(out.token_ids)
+        running = {r.params.adapter for r in llm.engine.scheduler.running} - {None}
+        assert len(running) <= 1, running
+    for i, (prompt, adapter) in enumerate(zip(prompts, which, strict=True)):
+        expected = (hf_greedy(llama_dir, prompt, 6) if adapter is None
+                    else peft_greedy(llama_dir, adapters[adapter], prompt, 6))
+        assert got[f"r{i}"] == expected, adapter
+
+
+def test_an_unknown_adapter_is_refused_by_name(llama_dir, adapters):
+    llm = LLM(llama_dir, num_blocks=64, lora_adapters={"alpha": adapters["alpha"]})
+    with pytest.raises(ValueError, match="LoRA adapter 'beta' is not loaded"):
+        llm.engine.add_request("x", [5, 6, 7], SamplingParams(adapter="beta"))
+
+
+def test_bad_adapters_are_refused_with_the_reason(llama_dir, qwen2_dir, adapters, tmp_path):
+    def edited(name, **changes):
+        path = tmp_path / name
+        path.mkdir()
+        for f in ("adapter_model.safetensors", "adapter_config.json"):
+            (path / f).write_bytes((Path(adapters["beta"]) / f).read_bytes())
+        config = json.loads((path / "adapter_config.json").read_text())
+        (path / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+        return str(path)
+
+    cases = [
+        (str(tmp_path / "none"), 64, "no such directory"),
+        (str(tmp_path), 64, "no adapter_config.json"),
+        (adapters["alpha"], 4, "rank 8 is over max_lora_rank=4"),
+        (edited("dora", use_dora=True), 64, "use_dora=True is not supported"),
+        (edited("saved", modules_to_save=["lm_head"]), 64, "modules_to_save"),
+    ]
+    for path, max_rank, message in cases:
+        with pytest.raises(AdapterError, match=message):
+            read_adapter_config("x", path, max_rank)
+    # An adapter trained on another base (other shapes) fails the load, naming both.
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(llama_dir)
+    config.intermediate_size *= 2
+    other = get_peft_model(AutoModelForCausalLM.from_config(config),
+                           LoraConfig(r=4, target_modules=["down_proj"]))
+    other.save_pretrained(str(tmp_path / "other"))
+    with pytest.raises(AdapterError, match="'other'.*inputs, the model's layer.*another base"):
+        LLM(llama_dir, num_blocks=64, lora_adapters={"other": str(tmp_path / "other")})
+    with pytest.raises(ValueError, match="a name is given twice"):
+        parse_lora_adapters(f"a={adapters['alpha']},a={adapters['beta']}")
+    assert parse_lora_adapters(f"{adapters['alpha']}") == (
+        (Path(adapters["alpha"]).name, adapters["alpha"]),)
