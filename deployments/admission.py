@@ -142,7 +142,7 @@ class Admission:
         for gap in g.inter_token_latencies:
             m.observe("raygen_inter_token_latency_seconds", gap)
         if g.params.adapter is not None:
-            tags = {"adapter": g.params.adapter}
+            tags = {"adapter": g.params.adapter.partition("@")[0]}  # its name, not its id
             m.inc("raygen_lora_requests", tags=tags)
             m.inc("raygen_lora_generated_tokens", len(g.token_ids), tags=tags)
         if any(g.skipped_tokens):  # speculation kept drafts (TGI records them per step)
@@ -151,7 +151,8 @@ class Admission:
         logger.info(json.dumps({
             "event": "request_finished", "request_id": g.request_id, "route": route,
             "prompt_tokens": len(g.prompt_token_ids), "generated_tokens": len(g.token_ids),
-            "speculated_tokens": sum(g.skipped_tokens), "adapter": g.params.adapter,
+            "speculated_tokens": sum(g.skipped_tokens),
+            "adapter": g.params.adapter and g.params.adapter.partition("@")[0],
             "queue_time_s": round(g.queue_time, 4),
             "ttft_s": None if g.ttft is None else round(g.ttft, 4),
             "total_time_s": round(total + validation_time, 4),

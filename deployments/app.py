@@ -173,11 +173,13 @@ def check_model(args: AppArgs) -> None:
     `model=` or `tensor_parallel_size=` is one clear line, not a replica that fails where
     the console cannot see it. A GGUF file is converted here (once per node, cached), so
     the replicas on this node start from the converted directory."""
-    for name, path in args.adapters:  # what the adapter's own files say
-        read_adapter_config(name, path, args.max_lora_rank)
     if args.model == DEMO_MODEL and not Path(args.model).exists():
+        for name, path in args.adapters:  # what the adapter's own files say
+            read_adapter_config(name, path, args.max_lora_rank)
         return  # written by the replicas at start (shards/demo_model.py)
     config = ModelConfig.from_pretrained(args.model)
+    for name, path in args.adapters:  # and whether its shapes fit the model
+        read_adapter_config(name, path, args.max_lora_rank, config)
     directory = model_dir(args.model)
     if args.quantize is not None and gguf_file(directory) is not None:
         raise CheckpointError(f"quantize={args.quantize}: model={args.model} holds a GGUF "

@@ -98,7 +98,8 @@ class Batcher:
                                        max_steps_in_flight=args.steps_in_flight)
         self._record_gauges()
         self._packed: tuple[int, bytes] = (-1, b"")
-        self.pusher = None
+        self.pusher, self.hub = None, metrics_hub
+        self.start_adapters = frozenset(name for name, _ in args.adapters)
         if metrics_hub is not None:
             self.pusher = Pusher(metrics_hub, replica_source("Batcher"), self._families)
         self.compute_path = self.group.placements()[0]["compute_path"]  # rank 0's, as all
@@ -134,7 +135,28 @@ class Batcher:
                 if (current := self.channels.get(request.channel)) is not None:
                     current.idle_since = time.monotonic()
 
+    async def _adapter_error(self, adapter: str) -> str | None:
+        """Load a run-time LoRA adapter this replica does not hold yet (with the next step,
+        on every rank), dropping those unloaded since; why not, if it cannot."""
+        runtime = {} if self.hub is None else await self.hub.adapters.remote()
+        paths = dict(runtime.values())  # id -> path
+        for stale in self.engine.adapters - self.start_adapters - set(paths):
+            self.engine.remove_adapter(stale)  # dropped once none of its requests is left
+        if adapter in self.engine.adapters:  # another request loaded it meanwhile
+            return None
+        if adapter not in paths:
+            return f"LoRA adapter {adapter.partition('@')[0]!r} is not loaded"
+        self.engine.add_adapter(adapter, paths[adapter])
+        return None
+
     async def _outputs(self, request: GenerateInput) -> AsyncIterator[RequestOutput]:
+        adapter = request.params.adapter
+        if adapter is not None and adapter not in self.engine.adapters:
+            error = await self._adapter_error(adapter)
+            if error is not None:
+                yield RequestOutput(request.request_id, finished=True,
+                                    finish_reason=FinishReason.ERROR, error=error)
+                return
         stream = self.engine_loop.generate(request.request_id, request.prompt_token_ids,
                                            request.params)
         deadline = (time.monotonic() + self.args.request_timeout

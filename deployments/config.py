@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -236,10 +237,15 @@ class Limits:
     max_stop_sequences: int
     max_best_of: int
     max_top_n_tokens: int
-    adapters: tuple[str, ...] = ()  # the LoRA adapters a request may name
+    # The LoRA adapters a request may name: name -> (the id batchers know it by, path);
+    # the ingress's live view (deployments/adapters.py).
+    adapters: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
 
-def server_limits(args: AppArgs, max_position_embeddings: int) -> Limits:
+def server_limits(args: AppArgs, max_position_embeddings: int,
+                  adapters: Mapping[str, tuple[str, str]] | None = None) -> Limits:
     max_input, max_total = token_limits(args, max_position_embeddings)
+    if adapters is None:
+        adapters = {name: (name, path) for name, path in args.adapters}
     return Limits(max_input, max_total, args.max_stop_sequences, args.max_best_of,
-                  args.max_top_n_tokens, tuple(name for name, _ in args.adapters))
+                  args.max_top_n_tokens, adapters)

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from deployments import openai_schema, tgi
+from deployments.adapters import Adapters
 from deployments.admission import Admission
 from deployments.channels import OutputChannels
 from deployments.config import DEMO_MODEL, AppArgs, server_limits
@@ -39,7 +40,9 @@ app = FastAPI(title="raygen", summary="TGI- and OpenAI-compatible text generatio
 # infer their schemas: they are published here, for clients and for schemathesis.
 BODIES = {"/generate": tgi.TGIRequest, "/generate_stream": tgi.TGIRequest, "/": tgi.TGIRequest,
           "/tokenize": tgi.TGIRequest, "/v1/completions": openai_schema.CompletionRequest,
-          "/v1/chat/completions": openai_schema.ChatRequest}
+          "/v1/chat/completions": openai_schema.ChatRequest,
+          "/v1/load_lora_adapter": openai_schema.LoadLoRAAdapter,
+          "/v1/unload_lora_adapter": openai_schema.UnloadLoRAAdapter}
 
 
 def _openapi() -> dict:
@@ -76,7 +79,9 @@ class Ingress:
         self.batcher = batcher
         tokenizer = load_tokenizer(args.model)
         model_config = ModelConfig.from_pretrained(args.model)
-        self.limits = server_limits(args, model_config.max_position_embeddings)
+        self.adapters = Adapters(args.adapters, metrics_hub, args.max_lora_rank, model_config)
+        self.limits = server_limits(args, model_config.max_position_embeddings,
+                                    self.adapters.known)
         grammars = GrammarChecker(args.model, model_config.vocab_size,
                                   args.grammar_check_timeout_s)
         self.metrics = Metrics(INGRESS)
@@ -84,9 +89,10 @@ class Ingress:
                                    args.payload_limit, args.resolved_api_key)
         # One message per step per batcher replica, not one per request (channels.py).
         streaming = self.channels = OutputChannels(batcher.options(stream=True))
-        self.tgi = TGIApi(self.admission, grammars, streaming, tokenizer, self.limits, args.device)
+        self.tgi = TGIApi(self.admission, grammars, streaming, tokenizer, self.limits, args.device,
+                          self.adapters)
         self.openai = OpenAIApi(self.admission, grammars, streaming, tokenizer, self.limits,
-                                args.max_n, args.model_name)
+                                args.max_n, args.model_name, self.adapters)
         self.batcher_info: dict | None = None  # /info's raygen part, from a batcher replica
         self.hub, self.pusher = metrics_hub, None
         if metrics_hub is not None:
@@ -188,6 +194,14 @@ class Ingress:
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
         return await self.openai.models(request)
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request) -> Response:
+        return await self.openai.load_adapter(request)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        return await self.openai.unload_adapter(request)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:

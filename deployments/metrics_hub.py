@@ -81,8 +81,27 @@ def _escape(text: str, help_text: bool = False) -> str:
                   max_ongoing_requests=10_000, logging_config={"enable_access_log": False},
                   graceful_shutdown_wait_loop_s=0.5)
 class MetricsHub:
+    """One per application: the metrics its replicas push, and the LoRA adapters loaded
+    at run time (deployments/adapters.py), which every replica asks it about."""
+
     def __init__(self):
         self.reports: dict[str, tuple[float, list[Family]]] = {}
+        self.runtime_adapters: dict[str, tuple[str, str]] = {}  # name -> (id, path)
+        self.adapter_loads = 0
+
+    async def adapters(self) -> dict[str, tuple[str, str]]:
+        return dict(self.runtime_adapters)
+
+    async def add_adapter(self, name: str, path: str) -> str | None:
+        """The new adapter's id, or None where `name` is taken."""
+        if name in self.runtime_adapters:
+            return None
+        self.adapter_loads += 1
+        self.runtime_adapters[name] = (f"{name}@{self.adapter_loads}", path)
+        return self.runtime_adapters[name][0]
+
+    async def remove_adapter(self, name: str) -> bool:
+        return self.runtime_adapters.pop(name, None) is not None
 
     async def report(self, source: str, families: list[Family]) -> None:
         self.reports[source] = (time.monotonic(), families)

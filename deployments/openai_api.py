@@ -10,14 +10,15 @@ import dataclasses
 import json
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from deployments import openai_schema as schema
 from deployments import openai_tools as tools
+from deployments.adapters import AdapterNotFound, Adapters
 from deployments.admission import Admission
 from deployments.config import Limits
 from deployments.generation import (
@@ -29,6 +30,7 @@ from deployments.generation import (
 )
 from deployments.grammar import GrammarChecker, InvalidGrammar
 from engine.request import FinishReason
+from shards.checkpoints.adapters import AdapterError
 
 
 def error_response(status: int, message: str, error_type: str) -> JSONResponse:
@@ -39,7 +41,7 @@ def error_response(status: int, message: str, error_type: str) -> JSONResponse:
                                    "code": error_type}}, status_code=status)
 
 
-def models_json(name: str, adapters: tuple[str, ...] = ()) -> dict:
+def models_json(name: str, adapters: Iterable[str] = ()) -> dict:
     """The base model, then each LoRA adapter with the base as its parent (as vLLM lists
     them)."""
     return {"object": "list", "data": [
@@ -48,15 +50,10 @@ def models_json(name: str, adapters: tuple[str, ...] = ()) -> dict:
           for a in adapters)]}
 
 
-class ModelNotFound(LookupError):
-    """A `model` that names neither the served model nor one of its adapters."""
-
-
-def not_found(model: str) -> JSONResponse:
-    """vLLM's answer to a model it does not serve."""
-    return JSONResponse({"error": {"message": f"The model `{model}` does not exist.",
-                                   "type": "NotFoundError", "param": None, "code": 404}},
-                        status_code=404)
+def not_found(message: str) -> JSONResponse:
+    """vLLM's answer to a model (or LoRA adapter) it does not serve."""
+    return JSONResponse({"error": {"message": message, "type": "NotFoundError",
+                                   "param": None, "code": 404}}, status_code=404)
 
 
 def _finish(reason: FinishReason | None) -> str | None:
@@ -65,8 +62,9 @@ def _finish(reason: FinishReason | None) -> str | None:
 
 class OpenAIApi:
     def __init__(self, admission: Admission, grammars: GrammarChecker, batcher, tokenizer: Any,
-                 limits: Limits, max_n: int, model_name: str):
+                 limits: Limits, max_n: int, model_name: str, adapters: Adapters | None = None):
         self.admission = admission
+        self.adapters = adapters  # the LoRA adapters, refreshed before a request names one
         self.grammars = grammars
         self.batcher = batcher  # a streaming handle
         self.tokenizer = tokenizer
@@ -82,21 +80,56 @@ class OpenAIApi:
             self.admission.check_auth(request)
         except Exception as exc:
             return self.error(exc)
-        return JSONResponse(models_json(self.model_name, self.limits.adapters))
+        if self.adapters is not None:
+            await self.adapters.refresh()
+        return JSONResponse(models_json(self.model_name, list(self.limits.adapters)))
 
-    def adapter(self, model: str | None) -> str | None:
-        """The LoRA adapter that `model` names (`name`, or `base:name` as Ray Serve LLM
-        names it), None for the base model. With adapters loaded, any other name is an
-        unknown model; without, `model` is not checked (as TGI's OpenAI routes)."""
+    async def load_adapter(self, request: Request) -> Response:
+        """vLLM's POST /v1/load_lora_adapter: serve the adapter at `lora_path` as
+        `lora_name`; batcher replicas load it with the first request of it they get."""
+        try:
+            req = await self.admission.read(request, schema.LoadLoRAAdapter)
+            if self.adapters is None:
+                raise schema.bad("LoRA adapters cannot be loaded here")
+            await self.adapters.load(req.lora_name, req.lora_path)
+        except (AdapterError, ValueError) as exc:
+            return error_response(400, str(exc), "BadRequestError")
+        except Exception as exc:
+            return self.error(exc)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    async def unload_adapter(self, request: Request) -> Response:
+        """vLLM's POST /v1/unload_lora_adapter: requests may no longer name it (batcher
+        replicas drop it once none of its requests is left)."""
+        try:
+            req = await self.admission.read(request, schema.UnloadLoRAAdapter)
+            if self.adapters is None:
+                raise AdapterNotFound(f"The lora adapter '{req.lora_name}' cannot be found.")
+            await self.adapters.unload(req.lora_name)
+        except AdapterNotFound as exc:
+            return not_found(str(exc))
+        except ValueError as exc:
+            return error_response(400, str(exc), "BadRequestError")
+        except Exception as exc:
+            return self.error(exc)
+        return PlainTextResponse(
+            f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    async def adapter(self, model: str | None) -> str | None:
+        """The id of the LoRA adapter that `model` names (`name`, or `base:name` as Ray
+        Serve LLM names it), None for the base model. With adapters loaded, any other name
+        is an unknown model; without, `model` is not checked (as TGI's OpenAI routes)."""
         if model is None or model == self.model_name:
             return None
         base, colon, name = model.partition(":")
-        if colon and base == self.model_name and name in self.limits.adapters:
-            return name
-        if model in self.limits.adapters:
-            return model
+        if not colon or base != self.model_name:
+            name = model
+        if self.adapters is not None:
+            await self.adapters.resolve(name)
+        if name in self.limits.adapters:
+            return self.limits.adapters[name][0]
         if colon or self.limits.adapters:
-            raise ModelNotFound(model)
+            raise AdapterNotFound(f"The model `{model}` does not exist.")
         return None
 
     async def _grammar(self, req, chat: bool) -> tuple[str | None, bool]:
@@ -121,7 +154,7 @@ class OpenAIApi:
         try:
             req = await self.admission.read(
                 request, schema.ChatRequest if chat else schema.CompletionRequest)
-            adapter = self.adapter(req.model)
+            adapter = await self.adapter(req.model)
             constraint, tool_calls = await self._grammar(req, chat)
             runs = []
             for prompt_ids in schema.prompts(self.tokenizer, req, chat):
@@ -131,7 +164,7 @@ class OpenAIApi:
                     runs.append(Generation(new_request_id(), prompt_ids, dataclasses.replace(
                         params, seed=seed, grammar=constraint, adapter=adapter)))
             self.admission.admit()
-        except ModelNotFound as exc:
+        except AdapterNotFound as exc:
             return not_found(str(exc))
         except Exception as exc:
             return self.error(exc)

@@ -253,3 +253,17 @@ def response_grammar(req: CompletionRequest | ChatRequest) -> str | None:
 def bad(message: str) -> ApiError:
     return ApiError(400, message, "invalid_request")
 
+
+class LoadLoRAAdapter(BaseModel):
+    """vLLM's `POST /v1/load_lora_adapter` body."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapter(BaseModel):
+    """vLLM's `POST /v1/unload_lora_adapter` body."""
+
+    model_config = ConfigDict(extra="ignore")  # vLLM's also carries an unused lora_int_id
+    lora_name: str

@@ -85,7 +85,7 @@ def validate(request: TGIRequest, tokenizer: Any, limits: Limits, stream: bool) 
         top_n_tokens=p.top_n_tokens or 0,
         prompt_logprobs=p.decoder_input_details,
         grammar=grammar_text,
-        adapter=p.adapter_id or None,
+        adapter=limits.adapters[p.adapter_id][0] if p.adapter_id else None,  # its id
     )
     return ValidRequest(ids, params, best_of, sampling)
 

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from deployments import tgi
+from deployments.adapters import Adapters
 from deployments.admission import Admission, ApiError
 from deployments.config import Limits
 from deployments.generation import (
@@ -36,8 +37,9 @@ def sse(payload: Any) -> bytes:
 
 class TGIApi:
     def __init__(self, admission: Admission, grammars: GrammarChecker, batcher, tokenizer: Any,
-                 limits: Limits, device: str):
+                 limits: Limits, device: str, adapters: Adapters | None = None):
         self.admission = admission
+        self.adapters = adapters  # the LoRA adapters, refreshed before a request names one
         self.grammars = grammars
         self.batcher = batcher  # a streaming handle
         self.tokenizer = tokenizer
@@ -59,6 +61,8 @@ class TGIApi:
             if compat:
                 stream_tokens = req.stream
             try:
+                if req.parameters.adapter_id and self.adapters is not None:
+                    await self.adapters.resolve(req.parameters.adapter_id)
                 valid = tgi.validate(req, self.tokenizer, self.limits, stream_tokens)
                 if valid.params.grammar is not None:
                     await self.grammars.check(valid.params.grammar)

@@ -9,6 +9,7 @@ them without blocking its event loop.
 from __future__ import annotations
 
 import random
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,11 +38,13 @@ class _OutputState:
 class LLMEngine:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  tokenizer: Any, eos_token_ids: frozenset[int], worker: Worker | None = None,
-                 adapters: frozenset[str] = frozenset()):
+                 adapters: Collection[str] = ()):
         self.scheduler = Scheduler(scheduler_config, cache_config, eos_token_ids)
         self.tokenizer = tokenizer
         self.worker = worker
-        self.adapters = adapters  # the LoRA adapters the worker holds, by name
+        # The LoRA adapters a request may name: those the worker loaded at start, and
+        # those added since (loaded by the worker with the next step).
+        self.adapters: set[str] = set(adapters)
         self._states: dict[str, _OutputState] = {}
 
     # -- requests --------------------------------------------------------------------
@@ -61,6 +64,18 @@ class LLMEngine:
             StopChecker(params.stop, params.include_stop_str_in_output),
             [] if params.prompt_logprobs else None,
         )
+
+    def add_adapter(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter at `path` as `name` from the next step on."""
+        if name in self.adapters:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        self.adapters.add(name)
+        self.scheduler.change_adapter(name, path)
+
+    def remove_adapter(self, name: str) -> None:
+        """Refuse new requests for `name`; the worker drops it once none runs or waits."""
+        self.adapters.remove(name)
+        self.scheduler.change_adapter(name, None)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.scheduler.abort(request_id)

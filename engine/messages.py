@@ -42,6 +42,9 @@ class StepInput:
     # Decoding request id -> draft tokens computed after its next token (its scheduled
     # tokens count them): the step keeps those that match what it draws, then one more.
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # LoRA adapters to load ((name, path)) or drop ((name, None)), in order, before the
+    # step's requests are read: every rank changes its adapters at the same point.
+    adapter_changes: list[tuple[str, str | None]] = field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

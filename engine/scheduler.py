@@ -80,6 +80,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.freed_ids: list[str] = []  # to tell the shards at the next step
+        self.adapter_changes: list[tuple[str, str | None]] = []  # LoRA loads and drops
         # Finished without a step (too long for the whole cache): the engine reports them.
         self.finished_unscheduled: list[Request] = []
         self.steps_since_admission = 0
@@ -306,6 +307,22 @@ class Scheduler:
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def change_adapter(self, name: str, path: str | None) -> None:
+        """Load (`path`) or drop (None) a LoRA adapter on the workers, in order, with the
+        next step; a drop waits until no request of that adapter runs or waits."""
+        self.adapter_changes.append((name, path))
+
+    def _adapter_changes(self) -> list[tuple[str, str | None]]:
+        """The changes the next step may carry: in order, up to a drop still in use."""
+        ready = 0
+        for name, path in self.adapter_changes:
+            if path is None and any(r.params.adapter == name for r in self.requests.values()):
+                break
+            ready += 1
+        changes, self.adapter_changes = (self.adapter_changes[:ready],
+                                         self.adapter_changes[ready:])
+        return changes
+
     def _make_step_input(self, scheduled: dict[str, int], drafts: dict[str, list[int]]
                          ) -> tuple[StepInput, list[str]]:
         new, cached, sampling = [], [], []
@@ -338,7 +355,8 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
         freed, self.freed_ids = self.freed_ids, []
         self.stats.num_steps += 1
-        return StepInput(new, cached, dict(scheduled), freed, drafts), sampling
+        return StepInput(new, cached, dict(scheduled), freed, drafts,
+                         self._adapter_changes()), sampling
 
     # -- results -------------------------------------------------------------------
     def update(self, scheduled: SchedulerOutput, output: StepOutput | None

@@ -11,6 +11,7 @@ import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shards.checkpoints.resolve import CheckpointError
 
@@ -41,9 +42,11 @@ class AdapterSpec:
     base_model: str | None = None
 
 
-def read_adapter_config(name: str, path: str | Path, max_rank: int) -> AdapterSpec:
+def read_adapter_config(name: str, path: str | Path, max_rank: int,
+                        model: Any = None) -> AdapterSpec:
     """The adapter at `path`, or AdapterError saying why it cannot be served. Reads only
-    the config and the tensor names and shapes' headers: cheap enough for a builder."""
+    the config and the safetensors header (names and shapes): cheap enough for a builder.
+    With `model` (shards.model.config.ModelConfig), its tensors' shapes are checked too."""
     root = Path(path)
 
     def fail(reason: str) -> AdapterError:
@@ -77,15 +80,23 @@ def read_adapter_config(name: str, path: str | Path, max_rank: int) -> AdapterSp
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     modules = set()
     try:
-        keys = safetensors_keys(root / WEIGHTS_FILE)
+        shapes = safetensors_shapes(root / WEIGHTS_FILE)
     except (OSError, ValueError) as e:
         raise fail(f"{WEIGHTS_FILE} is not a safetensors file: {e}") from None
-    for key in keys:
+    for key, shape in shapes.items():
         module = module_of(key)
         if module is None:
             raise fail(f"tensor {key} adapts no linear raygen serves (it adapts "
                        f"{', '.join(TARGETS)})")
         modules.add(module[1])
+        if model is not None:
+            layer, name_, ab = module
+            out, inp = model.projection_shapes[name_]
+            want = [rank, inp] if ab == "A" else [out, rank]
+            if layer >= model.num_layers or len(shape) != 2 or (
+                    ab == "A" and shape[1] != inp) or (ab == "B" and shape[0] != out):
+                raise fail(f"tensor {key} of shape {shape} does not fit the model ({want}, "
+                           f"{model.num_layers} layers): an adapter of another base model?")
     if not modules:
         raise fail(f"{WEIGHTS_FILE} holds no LoRA weights")
     return AdapterSpec(name, str(root), rank, scale, tuple(sorted(modules)),
@@ -106,14 +117,14 @@ def module_of(key: str) -> tuple[int, str, str] | None:
     return int(layer), module, parts[-2][-1]
 
 
-def safetensors_keys(path: Path) -> list[str]:
-    """The tensor names of a safetensors file, from its JSON header."""
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """The tensors of a safetensors file and their shapes, from its JSON header."""
     with open(path, "rb") as f:
         (size,) = struct.unpack("<Q", f.read(8))
         if size > 100_000_000:
             raise ValueError(f"a header of {size} bytes")
         header = json.loads(f.read(size))
-    return [key for key in header if key != "__metadata__"]
+    return {key: list(v["shape"]) for key, v in header.items() if key != "__metadata__"}
 
 
 def parse_lora_adapters(value: str | dict | None) -> tuple[tuple[str, str], ...]:
@@ -127,9 +138,9 @@ def parse_lora_adapters(value: str | dict | None) -> tuple[tuple[str, str], ...]
     pairs = tuple((str(name).strip(), str(path).strip()) for name, path in items)
     names = [name for name, _ in pairs]
     for name, path in pairs:
-        if not name or not path or ":" in name:
+        if not name or not path or ":" in name or "@" in name:
             raise ValueError(f"lora_adapters: {name}={path}: give each adapter as name=path, "
-                             "a name without ':'")
+                             "a name without ':' or '@'")
     if len(set(names)) != len(names):
         raise ValueError(f"lora_adapters: a name is given twice: {names}")
     return pairs

@@ -40,6 +40,15 @@ class ModelConfig:
     eos_token_ids: frozenset[int]
     bos_token_id: int | None
 
+    @property
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out, in) of each attention and MLP projection, by transformers' names."""
+        q, kv, h = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, \
+            self.hidden_size
+        return {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q),
+                "gate_proj": (self.intermediate_size, h), "up_proj": (self.intermediate_size, h),
+                "down_proj": (h, self.intermediate_size)}
+
     @classmethod
     def from_pretrained(cls, model: str | Path) -> ModelConfig:
         """The config of the checkpoint `model` names (a Hugging Face directory or a

@@ -108,7 +108,7 @@ class _Matmul(nn.Module):
     quant_rows: int = 0
     quant_kernels: Any = None  # shards.cpu.kernels' module, which multiplies by `quant`
     quant_int8: bool = False  # x rounded to int8 blocks, products in integers
-    # LoRA adapters of this linear (shards/model/lora.py), added to its output per run of rows.
+    # LoRA adapters of this linear (shards/model/lora.py), added to the rows that use them.
     lora: Any = None
 
     def quant_product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

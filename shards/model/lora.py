@@ -3,14 +3,14 @@
 An adapter is a directory with `adapter_config.json` and `adapter_model.safetensors`, as
 PEFT's `save_pretrained` writes it. For each linear it adapts, a layer keeps per adapter
 A (r x K) and B (N x r), PEFT's scale (`lora_alpha / r`, or `/ sqrt(r)` with rsLoRA) folded
-into B. A step groups its rows by adapter in runs of consecutive rows (the runner orders
-them so), and adds `(x A^T) B^T` to each run's output: one shrink, one expand per run.
+into B, and adds `(x A^T) B^T` to the output rows of the requests of that adapter: every
+adapter's A and B side by side, two products and a mask per layer (LoRALinear).
 
 Tensor parallel as the layer it adapts: a column-parallel layer (q/k/v, gate/up) keeps A
 whole and its own rows of B; a row-parallel one (o, down) keeps its own columns of A and B
 whole, and adds its partial delta before the all-reduce, which sums them (the delta is
-linear in x). The merged layers keep their parts' A stacked along the rank and one B per
-part, each added to that part's columns of the output."""
+linear in x). The merged layers keep their parts' A stacked along the rank, and their B
+placed in their parts' output columns."""
 
 from __future__ import annotations
 
@@ -33,41 +33,68 @@ from shards.checkpoints.adapters import (
 
 @dataclass
 class LoRABatch:
-    """This step's rows by adapter: (slot, first row, end row) runs; slot 0 (the base)
-    is left out. Set by the runner before each forward, read by every adapted layer."""
+    """This step's rows by adapter, set by the runner before each forward and read by every
+    adapted layer: `runs` of (slot, first row, end row), slot 0 (the base) left out, and
+    each row's slot; the layers' masks are made once a step per column layout."""
 
     runs: list[tuple[int, int, int]] = field(default_factory=list)
+    row_slots: torch.Tensor | None = None
+    masks: dict = field(default_factory=dict)
+
+    def set(self, runs: list[tuple[int, int, int]], num_rows: int, device) -> None:
+        self.runs, self.masks = runs, {}
+        self.row_slots = None
+        if runs:
+            slots = torch.zeros(num_rows, dtype=torch.long)
+            for slot, start, end in runs:
+                slots[start:end] = slot
+            self.row_slots = slots.to(device)
+
+    def mask(self, layout: tuple, column_slots: torch.Tensor, dtype) -> torch.Tensor:
+        """rows x columns: 1 where the column belongs to the row's adapter."""
+        found = self.masks.get(layout)
+        if found is None:
+            found = (self.row_slots[:, None] == column_slots[None, :]).to(dtype)
+            self.masks[layout] = found
+        return found
 
 
 class LoRALinear:
-    """One linear's adapters: slot -> (A stacked over the parts, [(part's output columns,
-    its rank columns in A's output, B)])."""
+    """One linear's adapters. Each adapter's A (this rank's slice, stacked over a merged
+    layer's parts) and B (its parts' rows placed in their output columns, the scale folded
+    in) side by side in one product each: a step multiplies every row by every adapter's A
+    (a few columns each), masks the columns of other adapters than the row's, and adds the
+    product with every B. Two products and a mask per layer, however many adapters the
+    step mixes; the extra work is rows x (K + N) x the loaded adapters' ranks."""
 
-    def __init__(self, layer: nn.Module, batch: LoRABatch, dtype: torch.dtype):
+    def __init__(self, layer: nn.Module, batch: LoRABatch, dtype: torch.dtype,
+                 device: torch.device):
         self.layer = layer
         self.batch = batch
-        self.dtype = dtype  # the activations'
-        self.slots: dict[int, tuple[torch.Tensor, list[tuple[slice, slice, torch.Tensor]]]] = {}
+        self.dtype, self.device = dtype, device  # the activations'
+        # slot -> (A^T: K x r, B^T: r x N), r over the parts
+        self.slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._stack()
 
     def add(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]],
             scale: float, name: str) -> None:
         """`parts`: part index -> (A as in the file, B as in the file), each sliced here
         for this rank."""
         layer = self.layer
-        a_blocks, bs, rank_at = [], [], 0
         row_parallel = not hasattr(layer, "shard_range")
+        width = layer.output_size if row_parallel else sum(layer.local_sizes)
+        a_blocks, b_blocks = [], []
         for index in sorted(parts):
             a, b = parts[index]
             if row_parallel:
-                local = layer.local_input_size
                 if a.shape[1] != layer.input_size:
                     raise ValueError(f"{name}: lora_A has {a.shape[1]} inputs, the model's "
                                      f"layer {layer.input_size}")
-                a = a[:, layer.start:layer.start + local]
-                out = slice(0, layer.output_size)
                 if b.shape[0] != layer.output_size:
                     raise ValueError(f"{name}: lora_B has {b.shape[0]} outputs, the model's "
                                      f"layer {layer.output_size}")
+                a = a[:, layer.start:layer.start + layer.local_input_size]
+                offset, length = 0, layer.output_size
             else:
                 offset, start, length = layer.shard_range(index)
                 if a.shape[1] != layer.input_size or b.shape[0] != layer.part_sizes[index]:
@@ -75,30 +102,38 @@ class LoRALinear:
                         f"{name}: shapes {tuple(a.shape)} and {tuple(b.shape)} do not fit the "
                         f"model's ({layer.part_sizes[index]} x {layer.input_size}) layer")
                 b = b[start:start + length]
-                out = slice(offset, offset + length)
-            rank = a.shape[0]
-            a_blocks.append(a)
-            bs.append((out, slice(rank_at, rank_at + rank),
-                       (b.float() * scale).to(self.dtype).t().contiguous()))
-            rank_at += rank
-        a_all = torch.cat(a_blocks).to(self.dtype).t().contiguous()  # K x R
-        self.slots[slot] = (a_all, bs)
+            placed = torch.zeros(a.shape[0], width)
+            placed[:, offset:offset + length] = b.float().t() * scale
+            a_blocks.append(a.float())
+            b_blocks.append(placed)
+        self.slots[slot] = (torch.cat(a_blocks).t(), torch.cat(b_blocks))
+        self._stack()
 
     def remove(self, slot: int) -> None:
-        self.slots.pop(slot, None)
+        if self.slots.pop(slot, None) is not None:
+            self._stack()
+
+    def _stack(self) -> None:
+        """Every adapter side by side: A^T (K x R), B^T (R x N), the slot of each of the R
+        columns, and the layout that names them (layers alike share their masks)."""
+        device = self.device
+        order = sorted(self.slots)
+        if not order:
+            self.a = self.b = self.column_slots = None
+            self.layout = ()
+            return
+        self.a = torch.cat([self.slots[s][0] for s in order], 1).to(device, self.dtype)
+        self.b = torch.cat([self.slots[s][1] for s in order]).to(device, self.dtype)
+        self.layout = tuple((s, self.slots[s][0].shape[1]) for s in order)
+        self.column_slots = torch.tensor(
+            [s for s in order for _ in range(self.slots[s][0].shape[1])], device=device)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y += this step's adapters' deltas, run by run (y is the layer's fresh output)."""
-        for slot, start, end in self.batch.runs:
-            held = self.slots.get(slot)
-            if held is None:  # this layer is not adapted by that adapter
-                continue
-            a, bs = held
-            shrunk = torch.mm(x[start:end], a)
-            out = y[start:end]
-            for columns, ranks, b in bs:
-                out[:, columns].addmm_(shrunk[:, ranks], b)
-        return y
+        """y += this step's adapters' deltas (y is the layer's fresh output)."""
+        if self.a is None:
+            return y
+        mask = self.batch.mask(self.layout, self.column_slots, x.dtype)
+        return y.addmm_(torch.mm(x, self.a).mul_(mask), self.b)
 
 
 def adapted_layers(model: nn.Module) -> dict[tuple[int, str], nn.Module]:
@@ -115,15 +150,16 @@ def adapted_layers(model: nn.Module) -> dict[tuple[int, str], nn.Module]:
 class LoRAAdapters:
     """The adapters one rank holds, by slot (1, 2, ...; 0 is the base model)."""
 
-    def __init__(self, model: nn.Module, max_rank: int, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, max_rank: int, dtype: torch.dtype,
+                 device: torch.device):
         self.model = model
         self.max_rank = max_rank
-        self.dtype = dtype
+        self.dtype, self.device = dtype, device
         self.batch = LoRABatch()
         self.layers = adapted_layers(model)
         self.slots: dict[str, int] = {}
         for layer in self.layers.values():
-            layer.lora = LoRALinear(layer, self.batch, dtype)
+            layer.lora = LoRALinear(layer, self.batch, dtype, device)
 
     def load(self, name: str, path: str, slot: int) -> AdapterSpec:
         """Read the adapter at `path` into `slot`; nothing changes if it cannot be served."""
@@ -146,7 +182,7 @@ class LoRAAdapters:
                 if set(ab) != {"A", "B"} or ab["A"].shape[0] != ab["B"].shape[1]:
                     raise AdapterError(f"LoRA adapter {name!r} ({path}): layer {where[0]} "
                                        f"{where[1]} part {part} lacks a matching lora_A/lora_B")
-            scratch = LoRALinear(self.layers[where], self.batch, self.dtype)
+            scratch = LoRALinear(self.layers[where], self.batch, self.dtype, self.device)
             try:
                 scratch.add(slot, {p: (ab["A"], ab["B"]) for p, ab in parts.items()},
                             spec.scale, f"layer {where[0]} {where[1]}")
@@ -154,8 +190,10 @@ class LoRAAdapters:
                 raise AdapterError(f"LoRA adapter {name!r} ({path}): {e} (is it an adapter "
                                    "of another base model?)") from None
             staged.append((where, scratch.slots[slot]))
-        for where, held in staged:
-            self.layers[where].lora.slots[slot] = held
+        for where, held in staged:  # all checked: now the layers take it
+            lora = self.layers[where].lora
+            lora.slots[slot] = held
+            lora._stack()
         self.slots[name] = slot
         return spec
 

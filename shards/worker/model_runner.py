@@ -204,7 +204,7 @@ class ModelRunner:
             logger.info("RMSNorm and rotary embedding: raygen's CPU kernels")
         self.lora: LoRAAdapters | None = None
         if config.lora_adapters:
-            self.lora = LoRAAdapters(self.model, config.max_lora_rank, self.dtype)
+            self.lora = LoRAAdapters(self.model, config.max_lora_rank, self.dtype, self.device)
             for slot, (name, path) in enumerate(config.lora_adapters, start=1):
                 spec = self.lora.load(name, path, slot)
                 logger.info("LoRA adapter %s: rank %d over %s (%s)", name, spec.rank,
@@ -411,11 +411,9 @@ class ModelRunner:
     # -- the step ------------------------------------------------------------------
     def step(self, step: StepInput) -> StepOutput | None:
         self._apply_diff(step)
-        # Decodes first: the attention backend handles them as one batched call. Within
-        # each, rows of one LoRA adapter side by side: its layers add its delta per run.
-        order = sorted(step.num_scheduled_tokens, key=lambda r: (
-            step.num_scheduled_tokens[r] != 1, self.seqs[r].lora_slot))
-        lora_runs: list[tuple[int, int, int]] = []
+        # Decodes first: the attention backend handles them as one batched call.
+        order = sorted(step.num_scheduled_tokens, key=lambda r: step.num_scheduled_tokens[r] != 1)
+        lora_runs: list[tuple[int, int, int]] = []  # (adapter slot, first row, end row)
         input_ids, positions, slots = [], [], []
         decodes, prefills = [], []
         logit_rows: list[int] = []  # hidden rows that need logits
@@ -429,10 +427,7 @@ class ModelRunner:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             row0 = len(input_ids)
             if seq.lora_slot:
-                if lora_runs and lora_runs[-1][0] == seq.lora_slot and lora_runs[-1][2] == row0:
-                    lora_runs[-1] = (seq.lora_slot, lora_runs[-1][1], row0 + n)
-                else:
-                    lora_runs.append((seq.lora_slot, row0, row0 + n))
+                lora_runs.append((seq.lora_slot, row0, row0 + n))
             input_ids.extend(seq.token_ids[start:end - len(draft)])
             input_ids.extend(draft)
             positions.extend(range(start, end))
@@ -464,13 +459,13 @@ class ModelRunner:
         positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
         meta = self._metadata(decodes, prefills, positions_t, len(input_ids), slots)
         if self.lora is not None:
-            self.lora.batch.runs = lora_runs
+            self.lora.batch.set(lora_runs, len(input_ids), dev)
         try:
             hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                                 positions_t, self.kv_caches, meta)
         finally:
             if self.lora is not None:
-                self.lora.batch.runs = []
+                self.lora.batch.set([], 0, dev)
         logits = None
         if logit_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
@@ -508,6 +503,8 @@ class ModelRunner:
                 self.seqs[request_id].token_ids.append(token_id)
 
     def _apply_diff(self, step: StepInput) -> None:
+        for name, path in step.adapter_changes:
+            self._change_adapter(name, path)
         for request_id in step.freed_request_ids:
             self.seqs.pop(request_id, None)
             if self.grammars is not None:
@@ -524,6 +521,25 @@ class ModelRunner:
             seq = self.seqs[cached.request_id]
             seq.block_ids.extend(cached.new_block_ids)
             seq.num_computed_tokens = cached.num_computed_tokens
+
+    def _change_adapter(self, name: str, path: str | None) -> None:
+        """Load (`path`) or drop (None) a LoRA adapter, at the same step on every rank: the
+        engine checked it can be served (shards/checkpoints/adapters.py) and that no
+        request of a dropped one is left."""
+        if path is None:
+            if self.lora is not None and name in self.lora.slots:
+                self.lora.unload(name)
+                logger.info("LoRA adapter %s dropped", name)
+            return
+        if self.lora is None:
+            self.lora = LoRAAdapters(self.model, self.config.max_lora_rank, self.dtype,
+                                     self.device)
+        used = set(self.lora.slots.values())
+        slot = next(s for s in range(1, len(used) + 2) if s not in used)
+        t0 = time.perf_counter()
+        spec = self.lora.load(name, path, slot)
+        logger.info("LoRA adapter %s: rank %d over %s (%s), loaded in %.2f s", name, spec.rank,
+                    ", ".join(spec.target_modules), path, time.perf_counter() - t0)
 
     def lora_slot(self, adapter: str | None) -> int:
         if adapter is None:

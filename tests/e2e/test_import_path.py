@@ -109,6 +109,62 @@ def test_lora_adapters_by_tgi_adapter_id_and_openai_model(server, llama_dir, ada
     assert all(w in text for w in want), [line for line in text.splitlines() if "lora" in line]
 
 
+def test_lora_adapters_loaded_and_unloaded_at_run_time(server, llama_dir, adapters, tokenizer):
+    """vLLM's two routes: an adapter loaded while streams run (none fails, each equals the
+    offline output) serves at once, equal to transformers + PEFT; an unloaded one is
+    refused; the errors are vLLM's."""
+    prompt = "Tona sefi mole dasu"
+    ids = tokenizer(prompt).input_ids
+    expected = LLM(llama_dir, num_blocks=64).generate(
+        [prompt], SamplingParams(max_new_tokens=40))[0].token_ids
+
+    async def streamed(client: httpx.AsyncClient) -> list[int]:
+        tokens = []
+        async with client.stream("POST", "/generate_stream", json={
+                "inputs": prompt, "parameters": {"max_new_tokens": 40}}) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data:"):
+                    tokens.append(json.loads(line[5:])["token"]["id"])
+        return tokens
+
+    async def main():
+        async with httpx.AsyncClient(base_url=BASE, timeout=120) as client:
+            streams = [asyncio.create_task(streamed(client)) for _ in range(4)]
+            await asyncio.sleep(0.5)
+            load = await client.post("/v1/load_lora_adapter", json={
+                "lora_name": "delta", "lora_path": adapters["beta"]})
+            adapted = await client.post("/generate", json={"inputs": prompt, "parameters": {
+                "max_new_tokens": 10, "adapter_id": "delta", "details": True}})
+            return load, adapted, await asyncio.gather(*streams)
+
+    load, adapted, streams = asyncio.run(main())
+    assert load.status_code == 200 and "'delta' added successfully" in load.text
+    assert streams == [expected] * 4
+    assert adapted.status_code == 200, adapted.text
+    assert [t["id"] for t in adapted.json()["details"]["tokens"]] == \
+        peft_greedy(llama_dir, adapters["beta"], ids, 10)
+    models = httpx.get(BASE + "/v1/models", timeout=10).json()["data"]
+    assert {"id": "delta", "parent": "m"}.items() <= \
+        next(m for m in models if m["id"] == "delta").items()
+
+    def post(path, body):
+        return httpx.post(BASE + path, json=body, timeout=30)
+
+    again = post("/v1/load_lora_adapter", {"lora_name": "delta", "lora_path": adapters["beta"]})
+    assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+    missing = post("/v1/load_lora_adapter", {"lora_name": "eps", "lora_path": "/no/such"})
+    assert missing.status_code == 400
+    assert "'eps' (/no/such): no such directory" in missing.json()["error"]["message"]
+    assert post("/v1/unload_lora_adapter", {"lora_name": "delta"}).status_code == 200
+    refused = post("/generate", {"inputs": prompt, "parameters": {"adapter_id": "delta"}})
+    assert refused.status_code == 422 and "`adapter_id` delta is not loaded" in refused.text
+    gone = post("/v1/unload_lora_adapter", {"lora_name": "delta"})
+    assert gone.status_code == 404
+    assert gone.json()["error"]["message"] == "The lora adapter 'delta' cannot be found."
+    fixed = post("/v1/unload_lora_adapter", {"lora_name": "alpha"})
+    assert fixed.status_code == 400 and "named at start" in fixed.text
+
+
 # -- constrained output ------------------------------------------------------------------
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",

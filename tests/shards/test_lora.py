@@ -113,3 +113,56 @@ def test_bad_adapters_are_refused_with_the_reason(llama_dir, qwen2_dir, adapters
         parse_lora_adapters(f"a={adapters['alpha']},a={adapters['beta']}")
     assert parse_lora_adapters(f"{adapters['alpha']}") == (
         (Path(adapters["alpha"]).name, adapters["alpha"]),)
+
+
+def test_adapters_added_and_removed_between_steps(llama_dir, adapters):
+    """Run-time loads and drops travel with the steps: an adapter added while a request
+    runs serves from the next step; a dropped one is refused at once and leaves the shard
+    once its last request is done."""
+    llm = LLM(llama_dir, num_blocks=256)
+    engine, runner = llm.engine, llm.runner
+    prompts = make_prompts(2048, [9, 14], seed=11)
+    engine.add_request("base", prompts[0], SamplingParams(max_new_tokens=12))
+    got: dict[str, list[int]] = {"base": [], "late": []}
+
+    def step():
+        for out in engine.step():
+            got[out.request_id].extend(out.token_ids)
+
+    step()
+    engine.add_adapter("beta@1", adapters["beta"])  # while "base" runs
+    engine.add_request("late", prompts[1], SamplingParams(max_new_tokens=8, adapter="beta@1"))
+    step()
+    assert runner.lora is not None and runner.lora.slots == {"beta@1": 1}
+    engine.remove_adapter("beta@1")  # "late" still runs: dropped after it
+    with pytest.raises(ValueError, match="'beta@1' is not loaded"):
+        engine.add_request("refused", prompts[1], SamplingParams(adapter="beta@1"))
+    while "late" in engine.scheduler.requests:
+        assert "beta@1" in runner.lora.slots
+        step()
+    while engine.has_unfinished_requests():
+        step()
+    assert got["late"] == peft_greedy(llama_dir, adapters["beta"], prompts[1], 8)
+    assert got["base"] == hf_greedy(llama_dir, prompts[0], 12)
+    llm.generate([prompts[0]], SamplingParams(max_new_tokens=1))  # the next step drops it
+    assert runner.lora.slots == {}
+    with pytest.raises(ValueError, match="already loaded"):
+        engine.add_adapter("gamma", adapters["gamma"])
+        engine.add_adapter("gamma", adapters["gamma"])
+
+
+def test_an_adapter_of_another_base_is_refused_before_loading(llama_dir, adapters, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shards.model.config import ModelConfig
+
+    config = AutoConfig.from_pretrained(llama_dir)
+    config.hidden_size *= 2
+    other = get_peft_model(AutoModelForCausalLM.from_config(config),
+                           LoraConfig(r=4, target_modules=["q_proj"]))
+    other.save_pretrained(str(tmp_path / "other"))
+    model = ModelConfig.from_pretrained(llama_dir)
+    with pytest.raises(AdapterError, match="q_proj.lora_A.weight of shape .* another base"):
+        read_adapter_config("other", tmp_path / "other", 64, model)
+    assert read_adapter_config("beta", adapters["beta"], 64, model).rank == 4
