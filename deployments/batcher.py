@@ -274,7 +274,8 @@ class Batcher:
         if self._packed[0] != bm.names_version:  # repack only what changed
             self._packed = (bm.names_version, pack_hashes(bm.cached_names))
         return {"v": 1, "time": time.time(), "block_size": bm.block_size,
-                "blocks": self._packed[1], **self.load()}
+                "blocks": self._packed[1], "adapters": sorted(self.engine.adapters),
+                **self.load()}
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook, read by deployments/autoscaling.py."""

@@ -79,7 +79,8 @@ BATCHER = {
 ROUTER = {
     "raygen_router_decisions": Spec(
         "counter", "Batcher routing decisions: prefix (to the longest cached prefix), "
-        "balance (its holder too busy or full), fallback (no prefix known, no stats)",
+        "balance (its holder too busy or full), adapter (no prefix known: to a replica "
+        "holding the request's LoRA adapter), fallback (no prefix known, no stats)",
         ("decision",)),
 }
 

@@ -37,7 +37,7 @@ class PrefixCacheRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def initialize_state(self, **kwargs):
         self.index = routing.PrefixIndex(**kwargs)
-        self.decisions = {"prefix": 0, "balance": 0, "fallback": 0}
+        self.decisions = {"prefix": 0, "balance": 0, "fallback": 0, "adapter": 0}
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None

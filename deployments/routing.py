@@ -121,10 +121,16 @@ class PrefixIndex:
         """stats: replica -> its report (None if missing); loads: replica -> requests it
         is serving (None: use its report). Returns ('prefix', holder), ('balance', the
         least busy other replica) or, with no prefix known, ('fallback', the least busy
-        replica, or None where a load is unknown: Serve's own choice)."""
+        replica, or None where a load is unknown: Serve's own choice). A request of a LoRA
+        `adapter` that only some replicas hold looks among those alone ('adapter' where
+        no prefix is known), unless they are busier than the margin."""
         fresh = {r: s for r, s in ((r, self.fresh(s)) for r, s in stats.items()) if s}
+        holders = self._adapter_holders(adapter, fresh, loads)
+        if holders is not None:  # only they are candidates, as for a prefix
+            stats, fresh = {r: stats[r] for r in holders}, holders
         if not fresh or len(token_ids) < 2:
-            return "fallback", self._least_busy(stats, fresh, loads)
+            decision = "adapter" if holders is not None else "fallback"
+            return decision, self._least_busy(stats, fresh, loads)
         block_size = next(iter(fresh.values()))["block_size"]
         names = chain(token_ids, block_size, adapter)
         matched = {r: self.matched_blocks(r, s, names) for r, s in fresh.items()}
@@ -132,13 +138,29 @@ class PrefixIndex:
                 + self.in_transit(r) for r, s in fresh.items()}
         best = max(fresh, key=lambda r: (matched[r], -load[r]))
         if matched[best] < self.min_match_blocks:
-            return "fallback", self._least_busy(stats, fresh, loads)
+            decision = "adapter" if holders is not None else "fallback"
+            return decision, self._least_busy(stats, fresh, loads)
         uncached_blocks = -(-len(token_ids) // block_size) - matched[best]
         if (load[best] - min(load.values()) > self.imbalance_margin
                 or fresh[best]["free_blocks"] < uncached_blocks):
             others = [r for r in fresh if r != best]
             return "balance", min(others, key=lambda r: (load[r], -matched[r]), default=None)
         return "prefix", best
+
+    def _adapter_holders(self, adapter: str | None, fresh: dict, loads: dict) -> dict | None:
+        """The replicas that hold a LoRA adapter some others do not (those would load it
+        first), while the least busy of them is within the margin of the least busy
+        replica; else None: any replica will do."""
+        if adapter is None:
+            return None
+        holders = {r: s for r, s in fresh.items() if adapter in s.get("adapters", ())}
+        if not holders or len(holders) == len(fresh):
+            return None
+        load = {r: (loads.get(r) if loads.get(r) is not None else s["running"] + s["waiting"])
+                + self.in_transit(r) for r, s in fresh.items()}
+        if min(load[r] for r in holders) - min(load.values()) > self.imbalance_margin:
+            return None
+        return holders
 
     def _least_busy(self, replicas, fresh: dict, loads: dict):
         """The replica with the fewest requests (Serve's count, else its report, plus

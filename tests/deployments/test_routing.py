@@ -49,6 +49,35 @@ def prompts():
             "other": make_prompts(2048, [440], seed=3)[0]}
 
 
+def test_adapter_prompts_route_by_their_own_chain_and_to_replicas_holding_the_adapter(
+        prompts):
+    """A LoRA adapter's blocks are named apart from the base model's (the same tokens
+    under another adapter are other KV): the router matches a request's prefix under its
+    adapter, and sends a request of an adapter some replicas hold to one of them (the others
+    would load it first) unless they are busier than the margin."""
+    bm = BlockManager(num_blocks=64, block_size=BS)
+    bm.allocate("a", len(prompts["turn"]))
+    bm.cache_full_blocks("a", prompts["turn"], len(prompts["turn"]), adapter="sql@1")
+    assert bm.get_computed_blocks(prompts["turn"])[1] == 0
+    assert bm.get_computed_blocks(prompts["turn"], "sql@2")[1] == 0
+    assert bm.get_computed_blocks(prompts["turn"], "sql@1")[1] == len(prompts["turn"]) - 8
+    assert set(prefix_block_hashes(prompts["turn"], BS, "sql@1")) <= bm.cached_names
+
+    index = PrefixIndex(imbalance_margin=4)
+    a, b = replica_holding([prompts["turn"]]), replica_holding([])
+    b["adapters"] = ["sql@1"]
+    # The base model's prefix is on A; the adapter's request goes to B, which holds it.
+    assert index.decide(prompts["turn"], {"A": a, "B": b}, {}) == ("prefix", "A")
+    assert index.decide(prompts["turn"], {"A": a, "B": b}, {}, "sql@1") == ("adapter", "B")
+    # Busier than the margin: any replica (here the prefix's holder is none, so the least busy).
+    b["running"] = 6
+    decision, chosen = index.decide(prompts["turn"], {"A": a, "B": b}, {}, "sql@1")
+    assert (decision, chosen) == ("fallback", "A")
+    # Every replica holds it (adapters named at start): the prefix decides, as without.
+    a["adapters"], b["running"] = ["sql@1"], 0
+    assert index.decide(prompts["turn"], {"A": a, "B": b}, {}, "sql@1")[0] == "fallback"
+
+
 def test_router_chain_is_the_block_managers(prompts):
     bm = BlockManager(num_blocks=64, block_size=BS)
     bm.allocate("a", len(prompts["turn"]))
