@@ -39,8 +39,8 @@ class Adapters:
             return
         runtime = await self.hub.adapters.remote()
         self.known.clear()
-        self.known.update(runtime)
         self.known.update(self.start)
+        self.known.update(runtime)  # never a start name: `load` refuses those
         self.refreshed = time.monotonic()
 
     async def resolve(self, name: str) -> bool:

@@ -96,12 +96,17 @@ def test_lora_adapters_at_tp2_equal_peft_in_a_mixed_batch(llama_dir, tokenizer,
         for i, (prompt, adapter) in enumerate(zip(prompts, which, strict=True)):
             llm.engine.add_request(f"r{i}", prompt,
                                    SamplingParams(max_new_tokens=10, adapter=adapter))
-        got = {f"r{i}": [] for i in range(len(prompts))}
+            if i == 4:  # loaded at run time: every rank with the same step
+                llm.engine.add_adapter("late@1", adapters["gamma"])
+                llm.engine.add_request("late", prompt,
+                                       SamplingParams(max_new_tokens=10, adapter="late@1"))
+        got = {f"r{i}": [] for i in range(len(prompts))} | {"late": []}
         while llm.engine.has_unfinished_requests():
             for out in llm.engine.step():
                 got[out.request_id].extend(out.token_ids)
     finally:
         llm.group.shutdown()
+    assert got["late"] == peft_greedy(llama_dir, adapters["gamma"], prompts[4], 10)
     for i, (prompt, adapter) in enumerate(zip(prompts, which, strict=True)):
         expected = (hf_greedy(llama_dir, prompt, 10) if adapter is None
                     else peft_greedy(llama_dir, adapters[adapter], prompt, 10))
