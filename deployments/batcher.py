@@ -146,7 +146,10 @@ class Batcher:
             return None
         if adapter not in paths:
             return f"LoRA adapter {adapter.partition('@')[0]!r} is not loaded"
-        self.engine.add_adapter(adapter, paths[adapter])
+        evicted = self.engine.add_adapter(adapter, paths[adapter])
+        if evicted:
+            logger.info("LoRA adapters %s dropped (max_cpu_loras=%s, least recently used)",
+                        ", ".join(evicted), self.args.max_cpu_loras)
         return None
 
     async def _outputs(self, request: GenerateInput) -> AsyncIterator[RequestOutput]:

@@ -67,6 +67,10 @@ class AppArgs(BaseModel):
         "request picks one by TGI's `adapter_id` or OpenAI's `model` (`name` or `base:name`)")
     max_loras: int = Field(default(SchedulerConfig, "max_loras"), ge=1, description="most "
                            "adapters whose requests run in one step (vLLM's name)")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="adapters loaded at run time a replica keeps (vLLM's name): "
+        "past it the least recently used idle one is dropped, to be loaded again when asked "
+        "for; unset: all")
     max_lora_rank: int = Field(default(ShardConfig, "max_lora_rank"), ge=1,
                                description="an adapter of a larger rank is refused at start")
     enable_prefix_caching: bool = default(CacheConfig, "enable_prefix_caching")
@@ -170,7 +174,7 @@ class AppArgs(BaseModel):
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_model_len=max_model_len, speculate=self.speculate,
             prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
-            max_loras=self.max_loras)
+            max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras)
 
     def cache_config(self, num_blocks: int) -> CacheConfig:
         return CacheConfig(self.block_size, num_blocks, self.enable_prefix_caching)

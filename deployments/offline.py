@@ -27,7 +27,7 @@ OFFLINE_ARGS = frozenset({
     "enable_prefix_caching", "block_size", "num_blocks", "kv_cache_memory",
     "gpu_memory_utilization", "attention_backend", "cpu_threads", "quant_products", "quantize",
     "speculate", "prompt_lookup_min", "prompt_lookup_max", "lora_adapters", "max_loras",
-    "max_lora_rank"})
+    "max_lora_rank", "max_cpu_loras"})
 
 
 class LLM:

@@ -48,6 +48,10 @@ class SchedulerConfig:
     # LoRA: the most adapters whose requests run in one step (vLLM's max_loras); a
     # request of another adapter waits until one of them has no request left running.
     max_loras: int = 4
+    # LoRA: adapters added at run time that a replica keeps loaded (vLLM's max_cpu_loras;
+    # None: all); past it the least recently used idle one is dropped, and loaded again
+    # when a request names it.
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch_prefill_tokens <= 0:

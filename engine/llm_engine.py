@@ -43,8 +43,10 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.worker = worker
         # The LoRA adapters a request may name: those the worker loaded at start, and
-        # those added since (loaded by the worker with the next step).
+        # those added since (loaded by the worker with the next step), the latter by when
+        # a request last named them (least recent first: max_cpu_loras evicts from there).
         self.adapters: set[str] = set(adapters)
+        self.added_adapters: dict[str, None] = {}
         self._states: dict[str, _OutputState] = {}
 
     # -- requests --------------------------------------------------------------------
@@ -59,22 +61,39 @@ class LLMEngine:
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)
+        if params.adapter in self.added_adapters:  # the most recently used now
+            self.added_adapters[params.adapter] = self.added_adapters.pop(params.adapter)
         self._states[request_id] = _OutputState(
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
             StopChecker(params.stop, params.include_stop_str_in_output),
             [] if params.prompt_logprobs else None,
         )
 
-    def add_adapter(self, name: str, path: str) -> None:
-        """Serve the LoRA adapter at `path` as `name` from the next step on."""
+    def add_adapter(self, name: str, path: str) -> list[str]:
+        """Serve the LoRA adapter at `path` as `name` from the next step on. Past
+        max_cpu_loras added adapters, the least recently used without a request running
+        or waiting is removed first; returns those removed."""
         if name in self.adapters:
             raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        evicted = []
+        limit = self.scheduler.config.max_cpu_loras
+        if limit is not None:
+            busy = {r.params.adapter for r in self.scheduler.requests.values()}
+            for old in list(self.added_adapters):
+                if len(self.added_adapters) < limit:
+                    break
+                if old not in busy:
+                    self.remove_adapter(old)
+                    evicted.append(old)
         self.adapters.add(name)
+        self.added_adapters[name] = None
         self.scheduler.change_adapter(name, path)
+        return evicted
 
     def remove_adapter(self, name: str) -> None:
         """Refuse new requests for `name`; the worker drops it once none runs or waits."""
         self.adapters.remove(name)
+        self.added_adapters.pop(name, None)
         self.scheduler.change_adapter(name, None)
 
     def abort(self, request_id: str) -> RequestOutput | None:

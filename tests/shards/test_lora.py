@@ -166,3 +166,21 @@ def test_an_adapter_of_another_base_is_refused_before_loading(llama_dir, adapter
     with pytest.raises(AdapterError, match="q_proj.lora_A.weight of shape .* another base"):
         read_adapter_config("other", tmp_path / "other", 64, model)
     assert read_adapter_config("beta", adapters["beta"], 64, model).rank == 4
+
+
+def test_max_cpu_loras_drops_the_least_recently_used_idle_adapter(llama_dir, adapters):
+    llm = LLM(llama_dir, num_blocks=128, max_cpu_loras=2)
+    engine = llm.engine
+    prompt = make_prompts(2048, [7], seed=4)[0]
+    assert engine.add_adapter("a@1", adapters["alpha"]) == []
+    assert engine.add_adapter("b@2", adapters["beta"]) == []
+    llm.generate([prompt], SamplingParams(max_new_tokens=2, adapter="a@1"))  # b@2: least recent
+    assert engine.add_adapter("c@3", adapters["gamma"]) == ["b@2"]
+    out = llm.generate([prompt], SamplingParams(max_new_tokens=6, adapter="c@3"))[0]
+    assert out.token_ids == peft_greedy(llama_dir, adapters["gamma"], prompt, 6)
+    assert set(llm.runner.lora.slots) == {"a@1", "c@3"} == engine.adapters
+    # An adapter with a request waiting is never dropped: the limit is passed instead.
+    engine.add_request("busy", prompt, SamplingParams(max_new_tokens=2, adapter="a@1"))
+    engine.add_request("busy2", prompt, SamplingParams(max_new_tokens=2, adapter="c@3"))
+    assert engine.add_adapter("b@4", adapters["beta"]) == []
+    assert engine.adapters == {"a@1", "c@3", "b@4"}
