@@ -81,6 +81,55 @@ async def load(models: list[str], prompts: list[str], concurrency: int,
             "output_tok_s": round(tokens / duration, 2)}
 
 
+async def load_while_streaming(late: tuple[str, str] | None, prompts: list[str],
+                               streams: int = 8, tokens: int = 96, after_s: float = 1.0) -> dict:
+    """`streams` base-model streams; `after_s` into them the adapter `late` (name, path) is
+    loaded (`/v1/load_lora_adapter`) and asked for once (None: the base model is asked,
+    the control: what any request arriving costs the streams). What the streams saw:
+    failures, and the longest gap between two of a stream's tokens while the load and that
+    request ran, against the streams' median gap (a step)."""
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{compare.PORT}",
+                                 timeout=600) as client:
+        async def stream(prompt: str) -> list[float]:
+            stamps = []
+            async with client.stream("POST", "/generate_stream", json={"inputs": prompt,
+                    "parameters": {"max_new_tokens": tokens, "ignore_eos": True}}) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if line.startswith("data:") and '"token"' in line:
+                        stamps.append(time.perf_counter())
+            return stamps
+
+        async def load_and_ask() -> tuple[float, float, int]:
+            await asyncio.sleep(after_s)
+            start = time.perf_counter()
+            parameters = {"max_new_tokens": 8}
+            if late is not None:
+                r = await client.post("/v1/load_lora_adapter", json={"lora_name": late[0],
+                                                                      "lora_path": late[1]})
+                r.raise_for_status()
+                parameters["adapter_id"] = late[0]
+            asked = await client.post("/generate", json={"inputs": prompts[-1],
+                                                         "parameters": parameters})
+            return start, time.perf_counter(), asked.status_code
+
+        *stamps, loaded = await asyncio.gather(
+            *(stream(p) for p in prompts[:streams]), load_and_ask(), return_exceptions=True)
+    if isinstance(loaded, BaseException):
+        raise loaded
+    start, end, status = loaded
+    failed = [s for s in stamps if isinstance(s, BaseException)]
+    ok = [s for s in stamps if not isinstance(s, BaseException)]
+    pairs = [(a, b) for s in ok for a, b in zip(s[:-1], s[1:], strict=True)]
+    gaps = sorted(b - a for a, b in pairs)
+    during = [b - a for a, b in pairs if b > start and a < end]
+    median = gaps[len(gaps) // 2] if gaps else None
+    return {"streams": streams, "failed": len(failed) + sum(len(s) != tokens for s in ok),
+            "late_status": status, "load_and_request_s": round(end - start, 3),
+            "median_gap_ms": median and round(1000 * median, 1),
+            "max_gap_during_ms": round(1000 * max(during), 1) if during else None}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -104,6 +153,7 @@ def main(argv: list[str] | None = None) -> dict:
     for i in range(args.adapters):
         adapters[f"lora{i}"] = str(scratch / f"lora{i}")
         write_random_adapter(args.model, scratch / f"lora{i}", args.rank, seed=i)
+    write_random_adapter(args.model, scratch / "late", args.rank, seed=args.adapters)
     builder = {"model": args.model, "lora_adapters": adapters, "max_loras": args.adapters}
     builder.update(dict(kv.split("=", 1) for kv in args.extra.split("+") if kv))
     server = compare.Server(
@@ -127,6 +177,10 @@ def main(argv: list[str] | None = None) -> dict:
                 runs[kind].append(row)
                 print(f"  {kind}: {row['output_tok_s']} tok/s ({row['output_tokens']} tokens)",
                       flush=True)
+        for key, late in (("request_while_streaming", None),
+                          ("load_while_streaming", ("late", str(scratch / "late")))):
+            results[key] = asyncio.run(load_while_streaming(late, prompts))
+            print(f"  {key}: {results[key]}", flush=True)
     finally:
         compare.stop(proc, server.stop_signal)
     mean = {k: sum(r["output_tok_s"] for r in v) / len(v) for k, v in runs.items()}
