@@ -76,10 +76,10 @@ class LoRALinear:
         self.slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._stack()
 
-    def add(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]],
-            scale: float, name: str) -> None:
-        """`parts`: part index -> (A as in the file, B as in the file), each sliced here
-        for this rank."""
+    def prepare(self, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float,
+                name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """One adapter's (A^T, B^T) for this layer on this rank, from `parts`: part index ->
+        (A as in the file, B as in the file); ValueError if their shapes do not fit."""
         layer = self.layer
         row_parallel = not hasattr(layer, "shard_range")
         width = layer.output_size if row_parallel else sum(layer.local_sizes)
@@ -106,7 +106,10 @@ class LoRALinear:
             placed[:, offset:offset + length] = b.float().t() * scale
             a_blocks.append(a.float())
             b_blocks.append(placed)
-        self.slots[slot] = (torch.cat(a_blocks).t(), torch.cat(b_blocks))
+        return torch.cat(a_blocks).t(), torch.cat(b_blocks)
+
+    def add(self, slot: int, prepared: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.slots[slot] = prepared
         self._stack()
 
     def remove(self, slot: int) -> None:
@@ -182,18 +185,15 @@ class LoRAAdapters:
                 if set(ab) != {"A", "B"} or ab["A"].shape[0] != ab["B"].shape[1]:
                     raise AdapterError(f"LoRA adapter {name!r} ({path}): layer {where[0]} "
                                        f"{where[1]} part {part} lacks a matching lora_A/lora_B")
-            scratch = LoRALinear(self.layers[where], self.batch, self.dtype, self.device)
             try:
-                scratch.add(slot, {p: (ab["A"], ab["B"]) for p, ab in parts.items()},
-                            spec.scale, f"layer {where[0]} {where[1]}")
+                staged.append((where, self.layers[where].lora.prepare(
+                    {p: (ab["A"], ab["B"]) for p, ab in parts.items()}, spec.scale,
+                    f"layer {where[0]} {where[1]}")))
             except ValueError as e:
                 raise AdapterError(f"LoRA adapter {name!r} ({path}): {e} (is it an adapter "
                                    "of another base model?)") from None
-            staged.append((where, scratch.slots[slot]))
-        for where, held in staged:  # all checked: now the layers take it
-            lora = self.layers[where].lora
-            lora.slots[slot] = held
-            lora._stack()
+        for where, prepared in staged:  # all checked: now the layers take it
+            self.layers[where].lora.add(slot, prepared)
         self.slots[name] = slot
         return spec
 
