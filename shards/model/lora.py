@@ -65,21 +65,26 @@ class LoRALinear:
     in) side by side in one product each: a step multiplies every row by every adapter's A
     (a few columns each), masks the columns of other adapters than the row's, and adds the
     product with every B. Two products and a mask per layer, however many adapters the
-    step mixes; the extra work is rows x (K + N) x the loaded adapters' ranks."""
+    step mixes; the extra work is rows x (K + N) x the loaded adapters' ranks.
+
+    The adapters' rows of A (r x K each) and of B^T (r x N) fill buffers with room to grow,
+    so that loading one copies only its own rows (in the step that carries the load)."""
 
     def __init__(self, layer: nn.Module, batch: LoRABatch, dtype: torch.dtype,
                  device: torch.device):
         self.layer = layer
         self.batch = batch
         self.dtype, self.device = dtype, device  # the activations'
-        # slot -> (A^T: K x r, B^T: r x N), r over the parts
+        # slot -> (A: r x K, B^T: r x N), r over the parts; rows [0, used) of the buffers
         self.slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._stack()
+        self.used = 0
+        self.a_rows = self.b_rows = self.row_slots = None
+        self.layout: tuple = ()  # ((slot, rank), ...) in buffer order
 
     def prepare(self, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float,
                 name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """One adapter's (A^T, B^T) for this layer on this rank, from `parts`: part index ->
-        (A as in the file, B as in the file); ValueError if their shapes do not fit."""
+        """One adapter's (A, B^T) rows for this layer on this rank, from `parts`: part index
+        -> (A as in the file, B as in the file); ValueError if their shapes do not fit."""
         layer = self.layer
         row_parallel = not hasattr(layer, "shard_range")
         width = layer.output_size if row_parallel else sum(layer.local_sizes)
@@ -104,39 +109,48 @@ class LoRALinear:
                 b = b[start:start + length]
             placed = torch.zeros(a.shape[0], width)
             placed[:, offset:offset + length] = b.float().t() * scale
-            a_blocks.append(a.float())
-            b_blocks.append(placed)
-        return torch.cat(a_blocks).t(), torch.cat(b_blocks)
+            a_blocks.append(a.float())  # r x K
+            b_blocks.append(placed)  # r x N
+        return (torch.cat(a_blocks).to(self.device, self.dtype),
+                torch.cat(b_blocks).to(self.device, self.dtype))
 
     def add(self, slot: int, prepared: tuple[torch.Tensor, torch.Tensor]) -> None:
-        self.slots[slot] = prepared
-        self._stack()
+        a, b = prepared
+        rank = a.shape[0]
+        if self.a_rows is None or self.used + rank > self.a_rows.shape[0]:
+            self._grow(max(4 * rank, 2 * (self.used + rank)), a.shape[1], b.shape[1])
+        end = self.used + rank
+        self.a_rows[self.used:end] = a
+        self.b_rows[self.used:end] = b
+        self.row_slots[self.used:end] = slot
+        self.slots[slot], self.used = prepared, end
+        self.layout += ((slot, rank),)
 
     def remove(self, slot: int) -> None:
-        if self.slots.pop(slot, None) is not None:
-            self._stack()
-
-    def _stack(self) -> None:
-        """Every adapter side by side: A^T (K x R), B^T (R x N), the slot of each of the R
-        columns, and the layout that names them (layers alike share their masks)."""
-        device = self.device
-        order = sorted(self.slots)
-        if not order:
-            self.a = self.b = self.column_slots = None
-            self.layout = ()
+        if self.slots.pop(slot, None) is None:
             return
-        self.a = torch.cat([self.slots[s][0] for s in order], 1).to(device, self.dtype)
-        self.b = torch.cat([self.slots[s][1] for s in order]).to(device, self.dtype)
-        self.layout = tuple((s, self.slots[s][0].shape[1]) for s in order)
-        self.column_slots = torch.tensor(
-            [s for s in order for _ in range(self.slots[s][0].shape[1])], device=device)
+        kept, self.used, self.layout = dict(self.slots), 0, ()
+        self.slots.clear()
+        for other, prepared in kept.items():  # the others, packed again in their order
+            self.add(other, prepared)
+
+    def _grow(self, rows: int, k: int, n: int) -> None:
+        a = torch.zeros(rows, k, dtype=self.dtype, device=self.device)
+        b = torch.zeros(rows, n, dtype=self.dtype, device=self.device)
+        slots = torch.full((rows,), -1, dtype=torch.long, device=self.device)
+        if self.used:
+            a[:self.used], b[:self.used] = self.a_rows[:self.used], self.b_rows[:self.used]
+            slots[:self.used] = self.row_slots[:self.used]
+        self.a_rows, self.b_rows, self.row_slots = a, b, slots
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y += this step's adapters' deltas (y is the layer's fresh output)."""
-        if self.a is None:
+        if not self.used:
             return y
-        mask = self.batch.mask(self.layout, self.column_slots, x.dtype)
-        return y.addmm_(torch.mm(x, self.a).mul_(mask), self.b)
+        used = self.used
+        mask = self.batch.mask(self.layout, self.row_slots[:used], x.dtype)
+        shrunk = torch.mm(x, self.a_rows[:used].t()).mul_(mask)
+        return y.addmm_(shrunk, self.b_rows[:used])
 
 
 def adapted_layers(model: nn.Module) -> dict[tuple[int, str], nn.Module]:
