@@ -108,6 +108,10 @@ BF16_WIDEN_RATIO = 0.8
 
 @dataclass(slots=True)
 class _Seq:
+    """A rank's own copy of a request, made from its NewRequestData (a frozen message) and
+    changed in place from then on: tokens appended as they are drawn, blocks as they are
+    sent, its position as steps compute it."""
+
     token_ids: list[int]
     num_prompt_tokens: int
     block_ids: list[int]
