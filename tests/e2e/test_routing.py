@@ -36,12 +36,8 @@ def server(llama_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def sessions(server, llama_dir):
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
-
-    async def both():  # the two applications side by side: their caches are their own
-        return await asyncio.gather(*(run_sessions(f"{BASE}/{name}", llama_dir, tokenizer,
-                                                   WORKLOAD) for name in ("one", "two")))
-
-    results = dict(zip(("one", "two"), asyncio.run(both()), strict=True))
+    results = {name: asyncio.run(run_sessions(f"{BASE}/{name}", llama_dir, tokenizer, WORKLOAD))
+               for name in ("one", "two")}
     return results, poll_metrics(f"{BASE}/two/metrics"), tokenizer
 
 
