@@ -67,18 +67,20 @@ class LoRALinear:
     product with every B. Two products and a mask per layer, however many adapters the
     step mixes; the extra work is rows x (K + N) x the loaded adapters' ranks.
 
-    The adapters' rows of A (r x K each) and of B^T (r x N) fill buffers with room to grow,
-    so that loading one copies only its own rows (in the step that carries the load)."""
+    The adapters' columns of A^T (K x r each) and rows of B^T (r x N) fill buffers with room
+    to grow, so that loading one copies only its own (in the step that carries the load).
+    (A^T's columns in a K x room buffer: a product by its first columns ran 0.7-0.9x the
+    time of one by A's first rows transposed, here.)"""
 
     def __init__(self, layer: nn.Module, batch: LoRABatch, dtype: torch.dtype,
                  device: torch.device):
         self.layer = layer
         self.batch = batch
         self.dtype, self.device = dtype, device  # the activations'
-        # slot -> (A: r x K, B^T: r x N), r over the parts; rows [0, used) of the buffers
+        # slot -> (A: r x K, B^T: r x N), r over the parts; [0, used) of the buffers
         self.slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.used = 0
-        self.a_rows = self.b_rows = self.row_slots = None
+        self.a_cols = self.b_rows = self.row_slots = None
         self.layout: tuple = ()  # ((slot, rank), ...) in buffer order
 
     def prepare(self, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float,
@@ -117,10 +119,10 @@ class LoRALinear:
     def add(self, slot: int, prepared: tuple[torch.Tensor, torch.Tensor]) -> None:
         a, b = prepared
         rank = a.shape[0]
-        if self.a_rows is None or self.used + rank > self.a_rows.shape[0]:
-            self._grow(max(4 * rank, 2 * (self.used + rank)), a.shape[1], b.shape[1])
+        if self.a_cols is None or self.used + rank > self.a_cols.shape[1]:
+            self._grow(max(8 * rank, 2 * (self.used + rank)), a.shape[1], b.shape[1])
         end = self.used + rank
-        self.a_rows[self.used:end] = a
+        self.a_cols[:, self.used:end] = a.t()
         self.b_rows[self.used:end] = b
         self.row_slots[self.used:end] = slot
         self.slots[slot], self.used = prepared, end
@@ -135,13 +137,13 @@ class LoRALinear:
             self.add(other, prepared)
 
     def _grow(self, rows: int, k: int, n: int) -> None:
-        a = torch.zeros(rows, k, dtype=self.dtype, device=self.device)
+        a = torch.zeros(k, rows, dtype=self.dtype, device=self.device)
         b = torch.zeros(rows, n, dtype=self.dtype, device=self.device)
         slots = torch.full((rows,), -1, dtype=torch.long, device=self.device)
         if self.used:
-            a[:self.used], b[:self.used] = self.a_rows[:self.used], self.b_rows[:self.used]
+            a[:, :self.used], b[:self.used] = self.a_cols[:, :self.used], self.b_rows[:self.used]
             slots[:self.used] = self.row_slots[:self.used]
-        self.a_rows, self.b_rows, self.row_slots = a, b, slots
+        self.a_cols, self.b_rows, self.row_slots = a, b, slots
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y += this step's adapters' deltas (y is the layer's fresh output)."""
@@ -149,7 +151,7 @@ class LoRALinear:
             return y
         used = self.used
         mask = self.batch.mask(self.layout, self.row_slots[:used], x.dtype)
-        shrunk = torch.mm(x, self.a_rows[:used].t()).mul_(mask)
+        shrunk = torch.mm(x, self.a_cols[:, :used]).mul_(mask)
         return y.addmm_(shrunk, self.b_rows[:used])
 
 
