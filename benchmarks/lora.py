@@ -5,11 +5,12 @@ alone, on the same server in one run.
 
 Writes `--adapters` random PEFT adapters of rank `--rank` over every attention and MLP
 projection of the model (what a full LoRA fine-tune saves), starts raygen once with them
-(`serve run`, the builder's defaults plus `lora_adapters`), and sends the same prompts at
-`--concurrency` through `/v1/completions` (`ignore_eos`, so every request generates
-`--max-tokens`): once to the base model, once spread round-robin over the adapters
-(`model` = the adapter's name), `--passes` times each in alternation (base, adapters,
-adapters, base, ...: each sees the same share of a machine that drifts). Reports output
+(`serve run`, the builder's defaults plus `lora_adapters`), and sends `--requests` prompts
+at `--concurrency` through `/v1/completions` (`ignore_eos`, so every request generates
+`--max-tokens`): to the base model, or spread round-robin over the adapters (`model` = the
+adapter's name), `--passes` times each in alternation (base, adapters, adapters, base, ...:
+each sees the same share of a machine that drifts). Each run has prompts of its own, so
+none is served from the prefix cache that another run filled. Reports output
 tokens/s of each and their ratio (the target: >= 0.85x)."""
 
 from __future__ import annotations
@@ -161,19 +162,20 @@ def main(argv: list[str] | None = None) -> dict:
         [str(Path(sys.executable).with_name("serve")), "run",
          compare._serve_config("deployments.app:build_app", builder)],
         {"RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1", "RAY_ENABLE_AUTO_CONNECT": "0"})
-    prompts = free_prompts(args.requests, seed=7)
+    prompts = free_prompts(args.requests, seed=7)  # the warm-up's and the streams'
     base_name = Path(args.model).name
     runs: dict[str, list[dict]] = {"base": [], "adapters": []}
     order = [("base", "adapters"), ("adapters", "base")] * args.passes  # alternating
     results = {"model": args.model, "machine": compare.machine_description(args.model),
                "started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": vars(args)}
-    proc = compare.start(server, out_dir / "lora-server.log")
+    proc = compare.start(server, scratch / "server.log")
     try:
         asyncio.run(load([base_name, *adapters], prompts[:5], 5, 4))  # warm every path
         for pair in order[:args.passes]:
             for kind in pair:
                 models = [base_name] if kind == "base" else list(adapters)
-                row = asyncio.run(load(models, prompts, args.concurrency, args.max_tokens))
+                fresh = free_prompts(args.requests, seed=100 + len(runs["base"] + runs["adapters"]))
+                row = asyncio.run(load(models, fresh, args.concurrency, args.max_tokens))
                 runs[kind].append(row)
                 print(f"  {kind}: {row['output_tok_s']} tok/s ({row['output_tokens']} tokens)",
                       flush=True)

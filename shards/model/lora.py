@@ -34,20 +34,26 @@ from shards.checkpoints.adapters import (
 @dataclass
 class LoRABatch:
     """This step's rows by adapter, set by the runner before each forward and read by every
-    adapted layer: `runs` of (slot, first row, end row), slot 0 (the base) left out, and
-    each row's slot; the layers' masks are made once a step per column layout."""
+    adapted layer. `runs`: (slot, first row, end row) of each request of an adapter (slot 0,
+    the base, left out). The first `single_rows` rows are one-row requests (decodes, mixed
+    adapters): their slots are `row_slots`, and the layers' masks over them are made once a
+    step per column layout. The other runs (prefill chunks, drafts) go one by one."""
 
     runs: list[tuple[int, int, int]] = field(default_factory=list)
+    single_rows: int = 0
     row_slots: torch.Tensor | None = None
+    long_runs: list[tuple[int, int, int]] = field(default_factory=list)
     masks: dict = field(default_factory=dict)
 
-    def set(self, runs: list[tuple[int, int, int]], num_rows: int, device) -> None:
-        self.runs, self.masks = runs, {}
+    def set(self, runs: list[tuple[int, int, int]], single_rows: int, device) -> None:
+        self.runs, self.masks, self.single_rows = runs, {}, single_rows
+        self.long_runs = [run for run in runs if run[1] >= single_rows]
         self.row_slots = None
-        if runs:
-            slots = torch.zeros(num_rows, dtype=torch.long)
+        if len(self.long_runs) < len(runs):
+            slots = torch.zeros(single_rows, dtype=torch.long)
             for slot, start, end in runs:
-                slots[start:end] = slot
+                if start < single_rows:
+                    slots[start:end] = slot
             self.row_slots = slots.to(device)
 
     def mask(self, layout: tuple, column_slots: torch.Tensor, dtype) -> torch.Tensor:
@@ -62,10 +68,11 @@ class LoRABatch:
 class LoRALinear:
     """One linear's adapters. Each adapter's A (this rank's slice, stacked over a merged
     layer's parts) and B (its parts' rows placed in their output columns, the scale folded
-    in) side by side in one product each: a step multiplies every row by every adapter's A
-    (a few columns each), masks the columns of other adapters than the row's, and adds the
-    product with every B. Two products and a mask per layer, however many adapters the
-    step mixes; the extra work is rows x (K + N) x the loaded adapters' ranks.
+    in) side by side in one product each: a step multiplies its one-row requests' rows by
+    every adapter's A (a few columns each), masks the columns of other adapters than the
+    row's, and adds the product with every B: two products and a mask however many adapters
+    the decodes mix (the extra work is rows x (K + N) x the loaded adapters' ranks). A run
+    of rows of one request (a prefill chunk) is multiplied by its own adapter's columns.
 
     The adapters' columns of A^T (K x r each) and rows of B^T (r x N) fill buffers with room
     to grow, so that loading one copies only its own (in the step that carries the load).
@@ -80,7 +87,8 @@ class LoRALinear:
         # slot -> (A: r x K, B^T: r x N), r over the parts; [0, used) of the buffers
         self.slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.used = 0
-        self.a_cols = self.b_rows = self.row_slots = None
+        self.a_cols = self.b_rows = self.column_slots = None
+        self.columns: dict[int, tuple[int, int]] = {}  # slot -> its columns [from, to)
         self.layout: tuple = ()  # ((slot, rank), ...) in buffer order
 
     def prepare(self, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float,
@@ -124,7 +132,8 @@ class LoRALinear:
         end = self.used + rank
         self.a_cols[:, self.used:end] = a.t()
         self.b_rows[self.used:end] = b
-        self.row_slots[self.used:end] = slot
+        self.column_slots[self.used:end] = slot
+        self.columns[slot] = (self.used, end)
         self.slots[slot], self.used = prepared, end
         self.layout += ((slot, rank),)
 
@@ -133,6 +142,7 @@ class LoRALinear:
             return
         kept, self.used, self.layout = dict(self.slots), 0, ()
         self.slots.clear()
+        self.columns.clear()
         for other, prepared in kept.items():  # the others, packed again in their order
             self.add(other, prepared)
 
@@ -142,17 +152,25 @@ class LoRALinear:
         slots = torch.full((rows,), -1, dtype=torch.long, device=self.device)
         if self.used:
             a[:, :self.used], b[:self.used] = self.a_cols[:, :self.used], self.b_rows[:self.used]
-            slots[:self.used] = self.row_slots[:self.used]
-        self.a_cols, self.b_rows, self.row_slots = a, b, slots
+            slots[:self.used] = self.column_slots[:self.used]
+        self.a_cols, self.b_rows, self.column_slots = a, b, slots
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y += this step's adapters' deltas (y is the layer's fresh output)."""
         if not self.used:
             return y
-        used = self.used
-        mask = self.batch.mask(self.layout, self.row_slots[:used], x.dtype)
-        shrunk = torch.mm(x, self.a_cols[:, :used]).mul_(mask)
-        return y.addmm_(shrunk, self.b_rows[:used])
+        batch, used = self.batch, self.used
+        if batch.row_slots is not None:
+            d = batch.single_rows
+            mask = batch.mask(self.layout, self.column_slots[:used], x.dtype)
+            y[:d].addmm_(torch.mm(x[:d], self.a_cols[:, :used]).mul_(mask), self.b_rows[:used])
+        for slot, start, end in batch.long_runs:
+            columns = self.columns.get(slot)
+            if columns is not None:
+                c0, c1 = columns
+                y[start:end].addmm_(torch.mm(x[start:end], self.a_cols[:, c0:c1]),
+                                    self.b_rows[c0:c1])
+        return y
 
 
 def adapted_layers(model: nn.Module) -> dict[tuple[int, str], nn.Module]:

@@ -463,7 +463,7 @@ class ModelRunner:
         positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
         meta = self._metadata(decodes, prefills, positions_t, len(input_ids), slots)
         if self.lora is not None:
-            self.lora.batch.set(lora_runs, len(input_ids), dev)
+            self.lora.batch.set(lora_runs, len(decodes), dev)
         try:
             hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                                 positions_t, self.kv_caches, meta)
