@@ -137,11 +137,11 @@ def _check_parameters(request: TGIRequest, limits: Limits, stream: bool
     if p.truncate is not None and (p.truncate == 0 or p.truncate > limits.max_input_tokens):
         raise ValidationError("`truncate` must be strictly positive and less than "
                               f"{limits.max_input_tokens}. Given: {p.truncate}")
-    if p.adapter_id and not limits.adapters:
-        raise ValidationError("`adapter_id` is not supported: this server loads no LoRA adapters")
     if p.adapter_id and p.adapter_id not in limits.adapters:
-        raise ValidationError(f"`adapter_id` {p.adapter_id} is not loaded: this server serves "
-                              f"the adapters {', '.join(limits.adapters)}")
+        served = f"the adapters {', '.join(limits.adapters)}" if limits.adapters \
+            else "no LoRA adapters (lora_adapters, POST /v1/load_lora_adapter)"
+        raise ValidationError(f"`adapter_id` {p.adapter_id} is not loaded: this server "
+                              f"serves {served}")
     if p.watermark:
         raise ValidationError("`watermark` is not supported")
     grammar_text = _grammar(p.grammar) if p.grammar is not None else None

@@ -69,7 +69,8 @@ VALIDATION = [
     ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
     ({"watermark": True}, "`watermark` is not supported"),
     ({"adapter_id": "my-lora"},
-     "`adapter_id` is not supported: this server loads no LoRA adapters"),
+     "`adapter_id` my-lora is not loaded: this server serves no LoRA adapters "
+     "(lora_adapters, POST /v1/load_lora_adapter)"),
     ({"grammar": {"type": "regex"}}, "`grammar` must be an object with `type` and `value`"),
 ]
 
