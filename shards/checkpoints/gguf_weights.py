@@ -11,6 +11,7 @@ permutes within itself, so each rank still reads only its rows."""
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,11 +49,44 @@ def hf_name(name: str) -> str | None:
 def _reader(path: str | Path):
     import gguf
 
+    class WeightsReader(gguf.GGUFReader):
+        """gguf's reader, but its metadata arrays (the tokenizer's 49k tokens and 48k merges
+        in SmolLM2: 5 s of numpy views a start, each rank's) are stepped over, not read;
+        the weights need none of them (the tokenizer is converted from the file once)."""
+
+        def _get_field_parts(self, orig_offs: int, raw_type: int):
+            if raw_type != gguf.GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            order = ">" if self.byte_order == "S" else "<"
+            return _array_size(self.data, orig_offs, order), [], [], [gguf.GGUFValueType.ARRAY]
+
     try:
-        return gguf.GGUFReader(str(path))
+        return WeightsReader(str(path))
     except Exception as exc:  # a truncated or foreign file: numpy and struct errors
         raise CheckpointError(f"model={path}: not a readable GGUF file "
                               f"({type(exc).__name__}: {str(exc)[:200]})") from exc
+
+
+# Bytes of each fixed-size GGUF value type (GGUFValueType: 8 is STRING, 9 is ARRAY).
+_VALUE_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+
+
+def _array_size(data, offset: int, order: str) -> int:
+    """Bytes of the GGUF array value at `offset` (its item type, count and items)."""
+    item_type, count = struct.unpack_from(order + "IQ", data, offset)
+    end = offset + 12
+    if item_type in _VALUE_SIZES:
+        return end + count * _VALUE_SIZES[item_type] - offset
+    if item_type == 8:  # strings: a u64 length before each
+        length = struct.Struct(order + "Q")
+        for _ in range(count):
+            end += 8 + length.unpack_from(data, end)[0]
+        return end - offset
+    if item_type == 9:
+        for _ in range(count):
+            end += _array_size(data, end, order)
+        return end - offset
+    raise ValueError(f"unknown GGUF value type {item_type} at offset {offset}")
 
 
 def check_tensor_types(path: str | Path) -> None:

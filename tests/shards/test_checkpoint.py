@@ -20,22 +20,14 @@ from engine.sampling_params import SamplingParams
 from shards.checkpoints.gguf_weights import check_tensor_types, hf_name, iter_gguf
 from shards.checkpoints.resolve import CheckpointError, find_gguf, model_dir
 from shards.model.layers import set_quant_rows
-from tests.reference import smollm2_gguf
+from tests.reference import smollm2_gguf, smollm2_transformers
 
 SMOLLM2 = smollm2_gguf()
-
-
-@pytest.fixture(autouse=True)
-def gguf_cache(tmp_path_factory, monkeypatch):
-    """One conversion cache for the module, not the user's."""
-    monkeypatch.setenv("RAYGEN_GGUF_CACHE", str(tmp_path_factory.getbasetemp() / "gguf"))
 
 
 def test_gguf_greedy_equals_transformers_gguf_loading():
     """SmolLM2-135M-Instruct's Q4_1 file (Q8_0 embeddings, F32 norms): raygen dequantizes
     each tensor itself; transformers loads the same file with `gguf_file=`."""
-    from transformers import AutoModelForCausalLM
-
     llm = LLM(str(SMOLLM2), num_blocks=128)
     # Steps of up to 8 rows multiply by the file's own blocks (whatever the start-up
     # timings chose): qkv, o, gate_up and down of 30 layers in Q4_1, the tied head in Q8_0.
@@ -50,8 +42,7 @@ def test_gguf_greedy_equals_transformers_gguf_loading():
     prompts = [chat, llm.tokenizer("def fibonacci(n):").input_ids]
     outputs = llm.generate(prompts, SamplingParams(max_new_tokens=20))
     assert outputs[0].text.startswith("The capital of France is Paris")
-    hf = AutoModelForCausalLM.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name,
-                                              dtype=torch.float32).eval()
+    hf = smollm2_transformers()
     for prompt, output in zip(prompts, outputs, strict=True):
         ids = torch.tensor([prompt])
         expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
@@ -102,6 +93,34 @@ def write_gguf(path: Path, qtype: gguf.GGMLQuantizationType) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def test_metadata_arrays_are_stepped_over_to_the_same_tensors(tmp_path):
+    """The weights' reader skips metadata arrays (strings, numbers, nested) instead of
+    reading them: its tensors are where gguf's own reader finds them."""
+    from shards.checkpoints.gguf_weights import _reader
+
+    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
+    writer.add_array("tokenizer.ggml.tokens", ["a", "", "bcd" * 50, "é"])
+    writer.add_array("tokenizer.ggml.scores", [0.5, -1.0, 2.0])
+    writer.add_array("nested", [[1, 2], [3]])
+    writer.add_custom_alignment(64)
+    writer.add_string("general.name", "x")
+    for i, qtype in enumerate((gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0)):
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        writer.add_tensor(f"blk.{i}.attn_q.weight", np.full((4, 2 * size), i + 1, np.uint8),
+                          raw_dtype=qtype)
+    writer.add_tensor("output_norm.weight", np.arange(8, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours, theirs = _reader(tmp_path / "m.gguf"), gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    assert ours.alignment == theirs.alignment == 64 and ours.data_offset == theirs.data_offset
+    assert [(t.name, t.tensor_type, t.data_offset) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, t.data_offset) for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors, strict=True):
+        assert np.array_equal(a.data, b.data)
 
 
 def test_a_type_the_gguf_package_cannot_read_is_named_with_its_tensor(tmp_path):
