@@ -25,7 +25,6 @@ from deployments.openai_api import OpenAIApi
 from deployments.routing import router_families
 from deployments.tgi_api import TGIApi
 from shards.checkpoints.resolve import load_tokenizer
-from shards.demo_model import ensure_demo_model
 from shards.model.config import ModelConfig
 from shards.worker import logs
 
@@ -75,6 +74,8 @@ class Ingress:
     def _start(self, batcher, args: AppArgs, metrics_hub) -> None:
         self.args = args
         if args.model == DEMO_MODEL:
+            from shards.demo_model import ensure_demo_model  # torch: only for the demo
+
             ensure_demo_model(args.model)
         self.batcher = batcher
         tokenizer = load_tokenizer(args.model)

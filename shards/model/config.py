@@ -10,8 +10,6 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from shards.checkpoints import resolve as checkpoint
 from shards.checkpoints.resolve import CheckpointError
 
@@ -36,7 +34,7 @@ class ModelConfig:
     max_position_embeddings: int
     attention_bias: bool
     tie_word_embeddings: bool
-    torch_dtype: torch.dtype
+    checkpoint_dtype: str  # torch's name of the weights' dtype ("bfloat16"); no torch here
     eos_token_ids: frozenset[int]
     bos_token_id: int | None
 
@@ -94,7 +92,7 @@ class ModelConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             attention_bias=raw.get("attention_bias", model_type == "qwen2"),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            torch_dtype=getattr(torch, dtype_name),
+            checkpoint_dtype=dtype_name,
             eos_token_ids=_eos_ids(model_dir, raw),
             bos_token_id=raw.get("bos_token_id"),
         )

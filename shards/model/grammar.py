@@ -15,8 +15,10 @@ import logging
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from threading import Lock
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where logits are masked: the HTTP front, which only
+    import torch  # checks grammars, starts without it (about 1.2 s of CPU a replica)
 
 logger = logging.getLogger(__name__)
 TEMPLATE_CACHE_SIZE = 256
@@ -54,6 +56,7 @@ class Grammars:
         if not rows:
             return {}
         import llguidance.torch as lt
+        import torch
 
         errors: dict[str, str] = {}
         bitmask = lt.allocate_token_bitmask(len(rows), self.vocab_size)
@@ -146,5 +149,7 @@ def _matcher(template: Future, output_token_ids: list[int]):
 
 def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[rows, words] int32 bitmask -> [rows, vocab] bool (bit b of word w is token 32w+b)."""
+    import torch
+
     bits = torch.arange(32, dtype=torch.int32)
     return ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab_size]

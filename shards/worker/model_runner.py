@@ -137,9 +137,9 @@ def cpu_bf16_products() -> bool:
         return False
 
 
-def resolve_dtype(name: str, device: torch.device, checkpoint: torch.dtype) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, checkpoint: str) -> torch.dtype:
     if name == "auto":
-        return checkpoint if device.type == "cuda" else torch.float32
+        return getattr(torch, checkpoint) if device.type == "cuda" else torch.float32
     return getattr(torch, name)
 
 
@@ -180,7 +180,7 @@ class ModelRunner:
         elif self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.model_config = ModelConfig.from_pretrained(config.model)
-        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.torch_dtype)
+        self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.checkpoint_dtype)
         # bfloat16 on a CPU with native bf16 products: the weights are multiplied in
         # bfloat16 by oneDNN (fp32 accumulation, half of float32's bytes to stream), and the
         # rest (activations, attention, the KV cache) stays float32, where raygen's CPU
