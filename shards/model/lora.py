@@ -42,6 +42,7 @@ class LoRABatch:
     runs: list[tuple[int, int, int]] = field(default_factory=list)
     single_rows: int = 0
     row_slots: torch.Tensor | None = None
+    slot_list: list[int] = field(default_factory=list)
     long_runs: list[tuple[int, int, int]] = field(default_factory=list)
     masks: dict = field(default_factory=dict)
 
@@ -50,11 +51,11 @@ class LoRABatch:
         self.long_runs = [run for run in runs if run[1] >= single_rows]
         self.row_slots = None
         if len(self.long_runs) < len(runs):
-            slots = torch.zeros(single_rows, dtype=torch.long)
+            self.slot_list = [0] * single_rows
             for slot, start, end in runs:
                 if start < single_rows:
-                    slots[start:end] = slot
-            self.row_slots = slots.to(device)
+                    self.slot_list[start:end] = [slot] * (end - start)
+            self.row_slots = torch.tensor(self.slot_list, dtype=torch.long, device=device)
 
     def mask(self, layout: tuple, column_slots: torch.Tensor, dtype) -> torch.Tensor:
         """rows x columns: 1 where the column belongs to the row's adapter."""
@@ -62,6 +63,16 @@ class LoRABatch:
         if found is None:
             found = (self.row_slots[:, None] == column_slots[None, :]).to(dtype)
             self.masks[layout] = found
+        return found
+
+    def row_columns(self, layout: tuple, columns: dict[int, tuple[int, int]]) -> torch.Tensor:
+        """rows x 2: each one-row request's adapter's columns [from, to) ((0, 0): none)."""
+        key = ("columns", layout)
+        found = self.masks.get(key)
+        if found is None:
+            found = torch.tensor([columns.get(slot, (0, 0)) for slot in self.slot_list],
+                                 dtype=torch.long)
+            self.masks[key] = found
         return found
 
 
@@ -80,14 +91,17 @@ class LoRALinear:
     time of one by A's first rows transposed, here.)"""
 
     def __init__(self, layer: nn.Module, batch: LoRABatch, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, kernels=None):
         self.layer = layer
+        # raygen's CPU kernel for the one-row requests: each row by its own adapter's
+        # columns in one call (benchmarks/NOTES.md 62); the masked product elsewhere.
+        self.kernels = kernels if dtype == torch.float32 and device.type == "cpu" else None
         self.batch = batch
         self.dtype, self.device = dtype, device  # the activations'
         # slot -> (A: r x K, B^T: r x N), r over the parts; [0, used) of the buffers
         self.slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.used = 0
-        self.a_cols = self.b_rows = self.column_slots = None
+        self.a_cols = self.a_rows = self.b_rows = self.column_slots = None
         self.columns: dict[int, tuple[int, int]] = {}  # slot -> its columns [from, to)
         self.layout: tuple = ()  # ((slot, rank), ...) in buffer order
 
@@ -131,6 +145,7 @@ class LoRALinear:
             self._grow(max(8 * rank, 2 * (self.used + rank)), a.shape[1], b.shape[1])
         end = self.used + rank
         self.a_cols[:, self.used:end] = a.t()
+        self.a_rows[self.used:end] = a
         self.b_rows[self.used:end] = b
         self.column_slots[self.used:end] = slot
         self.columns[slot] = (self.used, end)
@@ -148,19 +163,25 @@ class LoRALinear:
 
     def _grow(self, rows: int, k: int, n: int) -> None:
         a = torch.zeros(k, rows, dtype=self.dtype, device=self.device)
+        a_rows = torch.zeros(rows, k, dtype=self.dtype, device=self.device)
         b = torch.zeros(rows, n, dtype=self.dtype, device=self.device)
         slots = torch.full((rows,), -1, dtype=torch.long, device=self.device)
         if self.used:
             a[:, :self.used], b[:self.used] = self.a_cols[:, :self.used], self.b_rows[:self.used]
+            a_rows[:self.used] = self.a_rows[:self.used]
             slots[:self.used] = self.column_slots[:self.used]
-        self.a_cols, self.b_rows, self.column_slots = a, b, slots
+        self.a_cols, self.a_rows, self.b_rows, self.column_slots = a, a_rows, b, slots
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y += this step's adapters' deltas (y is the layer's fresh output)."""
         if not self.used:
             return y
         batch, used = self.batch, self.used
-        if batch.row_slots is not None:
+        if batch.row_slots is not None and self.kernels is not None:
+            d = batch.single_rows
+            self.kernels.lora_add(x[:d], y[:d], self.a_rows, self.b_rows,
+                                  batch.row_columns(self.layout, self.columns))
+        elif batch.row_slots is not None:
             d = batch.single_rows
             mask = batch.mask(self.layout, self.column_slots[:used], x.dtype)
             y[:d].addmm_(torch.mm(x[:d], self.a_cols[:, :used]).mul_(mask), self.b_rows[:used])
@@ -188,7 +209,8 @@ class LoRAAdapters:
     """The adapters one rank holds, by slot (1, 2, ...; 0 is the base model)."""
 
     def __init__(self, model: nn.Module, max_rank: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, kernels=None):
+        """`kernels`: raygen's CPU kernel module where the shard uses it (None: torch)."""
         self.model = model
         self.max_rank = max_rank
         self.dtype, self.device = dtype, device
@@ -196,7 +218,8 @@ class LoRAAdapters:
         self.layers = adapted_layers(model)
         self.slots: dict[str, int] = {}
         for layer in self.layers.values():
-            layer.lora = LoRALinear(layer, self.batch, dtype, device)
+            layer.lora = LoRALinear(layer, self.batch, dtype, device,
+                                    kernels if hasattr(kernels, "lora_add") else None)
 
     def load(self, name: str, path: str, slot: int) -> AdapterSpec:
         """Read the adapter at `path` into `slot`; nothing changes if it cannot be served."""

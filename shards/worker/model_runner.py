@@ -208,7 +208,8 @@ class ModelRunner:
             logger.info("RMSNorm and rotary embedding: raygen's CPU kernels")
         self.lora: LoRAAdapters | None = None
         if config.lora_adapters:
-            self.lora = LoRAAdapters(self.model, config.max_lora_rank, self.dtype, self.device)
+            self.lora = LoRAAdapters(self.model, config.max_lora_rank, self.dtype, self.device,
+                                     self._lora_kernels())
             for slot, (name, path) in enumerate(config.lora_adapters, start=1):
                 spec = self.lora.load(name, path, slot)
                 logger.info("LoRA adapter %s: rank %d over %s (%s)", name, spec.rank,
@@ -537,13 +538,20 @@ class ModelRunner:
             return
         if self.lora is None:
             self.lora = LoRAAdapters(self.model, self.config.max_lora_rank, self.dtype,
-                                     self.device)
+                                     self.device, self._lora_kernels())
         used = set(self.lora.slots.values())
         slot = next(s for s in range(1, len(used) + 2) if s not in used)
         t0 = time.perf_counter()
         spec = self.lora.load(name, path, slot)
         logger.info("LoRA adapter %s: rank %d over %s (%s), loaded in %.2f s", name, spec.rank,
                     ", ".join(spec.target_modules), path, time.perf_counter() - t0)
+
+    def _lora_kernels(self):
+        """The LoRA kernel comes with raygen's CPU attention kernel, like the norm and
+        rotary ones (the torch backend stays the pure-torch reference)."""
+        if isinstance(self.backend, CpuPagedAttentionBackend):
+            return self.backend.kernel
+        return None
 
     def lora_slot(self, adapter: str | None) -> int:
         if adapter is None:

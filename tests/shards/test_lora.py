@@ -21,8 +21,14 @@ def adapters(llama_dir, tmp_path_factory) -> dict[str, str]:
 
 
 
-def test_a_mixed_batch_equals_transformers_and_peft_for_every_adapter(llama_dir, adapters):
-    llm = LLM(llama_dir, num_blocks=256, lora_adapters=adapters)
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_a_mixed_batch_equals_transformers_and_peft_for_every_adapter(llama_dir, adapters,
+                                                                      backend):
+    """raygen's CPU kernels (decode rows through lora_add, where built) and the torch path
+    (a masked product over every adapter: CUDA's)."""
+    llm = LLM(llama_dir, num_blocks=256, lora_adapters=adapters, attention_backend=backend)
+    lora = next(iter(llm.runner.lora.layers.values())).lora
+    assert (lora.kernels is not None) == (backend == "cpu" and llm.runner.backend.name == "cpu")
     prompts = make_prompts(2048, [5, 17, 33, 9, 40, 3, 21, 12], seed=3)
     new_tokens = [12, 7, 10, 16, 5, 14, 9, 11]
     which = [None, "alpha", "beta", "gamma", "alpha", None, "gamma", "beta"]
@@ -32,6 +38,8 @@ def test_a_mixed_batch_equals_transformers_and_peft_for_every_adapter(llama_dir,
         expected = (hf_greedy(llama_dir, prompt, n) if adapter is None
                     else peft_greedy(llama_dir, adapters[adapter], prompt, n))
         assert out.token_ids == expected, adapter
+    if backend == "torch":
+        return
     # Each adapter answers otherwise than the base model on the same prompt.
     base = llm.generate(prompts[:3], SamplingParams(max_new_tokens=16))
     adapted = llm.generate(prompts[:3], [SamplingParams(max_new_tokens=16, adapter=a)
@@ -184,3 +192,35 @@ def test_max_cpu_loras_drops_the_least_recently_used_idle_adapter(llama_dir, ada
     engine.add_request("busy2", prompt, SamplingParams(max_new_tokens=2, adapter="c@3"))
     assert engine.add_adapter("b@4", adapters["beta"]) == []
     assert engine.adapters == {"a@1", "c@3", "b@4"}
+
+
+def test_the_cpu_kernel_adds_each_rows_own_adapter_delta():
+    """lora_add against torch: rows of the base model (no columns), of adapters of ranks
+    2 to 48 side by side, a K that is no multiple of a vector; bad columns are refused."""
+    import torch
+
+    from shards.cpu import kernels as cpu_kernels
+
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        pytest.skip(f"raygen's CPU kernels did not build: {cpu_kernels.load_error()}")
+    g = torch.Generator().manual_seed(0)
+    ranks = [2, 8, 48]
+    k, n, room = 37, 70, 64
+    a_rows, b_rows = torch.randn(room, k, generator=g), torch.randn(room, n, generator=g)
+    bounds, start = [(0, 0)], 0
+    for rank in ranks:
+        bounds.append((start, start + rank))
+        start += rank
+    which = [0, 1, 2, 3, 3, 0, 2, 1, 3]
+    x, y = torch.randn(len(which), k, generator=g), torch.randn(len(which), n, generator=g)
+    columns = torch.tensor([bounds[w] for w in which])
+    want = y.clone()
+    for r, (c0, c1) in enumerate(columns.tolist()):
+        want[r] += (x[r].double() @ a_rows[c0:c1].double().T @ b_rows[c0:c1].double()).float()
+    got = y.clone()
+    kernels.lora_add(x, got, a_rows, b_rows, columns)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(got[0], y[0]) and torch.equal(got[5], y[5])  # base rows untouched
+    with pytest.raises(RuntimeError, match="not within 64"):
+        kernels.lora_add(x, got, a_rows, b_rows, torch.tensor([[60, 70]] * len(which)))

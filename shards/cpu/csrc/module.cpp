@@ -21,4 +21,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_i8_supported", &quant_i8_supported, "whether linear_quant_i8 is built");
   m.def("linear_quant_i8", &linear_quant_i8,
         "linear_quant with x quantized to int8 blocks, products in integers (Q4_0, Q4_1, Q8_0)");
+  m.def("lora_add", &lora_add,
+        "y[r] += x[r] A[:, c0:c1] B[c0:c1] with (c0, c1) each row's adapter's columns (CPU, fp32)");
 }

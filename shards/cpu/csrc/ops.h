@@ -37,3 +37,7 @@ at::Tensor linear_quant(at::Tensor x, at::Tensor weight, int64_t type, int64_t o
 bool quant_i8_supported();
 at::Tensor linear_quant_i8(at::Tensor x, at::Tensor weight, int64_t type, int64_t out_features,
                            std::optional<at::Tensor> bias);
+
+// LoRA: each row's delta through its own adapter's columns, added to y (lora.cpp).
+void lora_add(at::Tensor x, at::Tensor y, at::Tensor a_rows, at::Tensor b_rows,
+              at::Tensor columns);
