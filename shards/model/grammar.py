@@ -17,8 +17,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from threading import Lock
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch is imported where logits are masked: the HTTP front, which only
-    import torch  # checks grammars, starts without it (about 1.2 s of CPU a replica)
+if TYPE_CHECKING:  # torch is imported where logits are masked, not by the HTTP front's
+    import torch  # grammar checks (the front's modules import without the model stack)
 
 logger = logging.getLogger(__name__)
 TEMPLATE_CACHE_SIZE = 256

@@ -1,5 +1,5 @@
-// LoRA deltas of a step's rows in one pass: each row times its own adapter's A columns
-// (a few), then those times its B rows, added to the row's output. The torch path runs
+// LoRA deltas of a step's rows in one pass: each row dotted with its own adapter's A rows
+// (a few), then those sums times its B rows, added to the row's output. The torch path runs
 // three ops over every adapter (or two per prefill run); their dispatch cost more than the
 // arithmetic at decode sizes (benchmarks/NOTES.md 62). fp32, rows split across threads.
 #include "ops.h"
