@@ -96,3 +96,30 @@ def test_seeded_sampling_repeats_on_the_gpu(llama_dir):
 
     assert sample(11) == sample(11)
     assert sample(11) != sample(12)
+
+
+def test_lora_mixed_batch_equals_peft_on_the_gpu(llama_dir, tmp_path_factory):
+    """The CUDA path of LoRA (the masked product over every adapter, shards/model/lora.py)
+    against transformers + peft on the same GPU, in one batch with the base model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.reference import write_adapters
+
+    adapters = write_adapters(llama_dir, tmp_path_factory)
+    llm = _llm(llama_dir, "float32", lora_adapters=adapters)
+    prompts = make_prompts(llm.runner.model_config.vocab_size, [5, 17, 33, 9, 40, 70], seed=3)
+    which = [None, "alpha", "beta", "gamma", "alpha", "beta"]
+    outs = llm.generate(prompts, [SamplingParams(max_new_tokens=12, adapter=a) for a in which])
+    for prompt, adapter, out in zip(prompts, which, outs, strict=True):
+        if adapter is None:
+            expected = hf_greedy_on(llama_dir, torch.float32, prompt, 12)[0]
+        else:
+            base = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32)
+            model = PeftModel.from_pretrained(base, adapters[adapter]).cuda().eval()
+            with torch.inference_mode():
+                ids = model.generate(input_ids=torch.tensor([prompt], device="cuda"),
+                                     max_new_tokens=12, do_sample=False,
+                                     attention_mask=torch.ones(1, len(prompt), device="cuda"))
+            expected = ids[0, len(prompt):].tolist()
+        assert out.token_ids == expected, adapter
