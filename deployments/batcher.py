@@ -146,6 +146,14 @@ class Batcher:
             return None
         if adapter not in paths:
             return f"LoRA adapter {adapter.partition('@')[0]!r} is not loaded"
+        # Read on every rank beside the steps, so that the step that loads it stalls no
+        # stream for the reading (a bad one is refused by that step, as without this).
+        try:
+            await self.group.stage_adapter(adapter, paths[adapter])
+        except Exception as e:  # a rank that died: the steps say so
+            logger.warning("LoRA adapter %s not read ahead: %s", adapter, e)
+        if adapter in self.engine.adapters:  # loaded by another request meanwhile
+            return None
         evicted = self.engine.add_adapter(adapter, paths[adapter])
         if evicted:
             logger.info("LoRA adapters %s dropped (max_cpu_loras=%s, least recently used)",

@@ -86,7 +86,8 @@ class LoRALinear:
     of rows of one request (a prefill chunk) is multiplied by its own adapter's columns.
 
     The adapters' columns of A^T (K x r each) and rows of B^T (r x N) fill buffers with room
-    to grow, so that loading one copies only its own (in the step that carries the load).
+    to grow, so that loading one copies only its own (in the step that carries the load;
+    read from its files beside the steps before, ModelRunner.stage_adapter).
     (A^T's columns in a K x room buffer: a product by its first columns ran 0.7-0.9x the
     time of one by A's first rows transposed, here.)"""
 
@@ -104,39 +105,6 @@ class LoRALinear:
         self.a_cols = self.a_rows = self.b_rows = self.column_slots = None
         self.columns: dict[int, tuple[int, int]] = {}  # slot -> its columns [from, to)
         self.layout: tuple = ()  # ((slot, rank), ...) in buffer order
-
-    def prepare(self, parts: dict[int, tuple[torch.Tensor, torch.Tensor]], scale: float,
-                name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """One adapter's (A, B^T) rows for this layer on this rank, from `parts`: part index
-        -> (A as in the file, B as in the file); ValueError if their shapes do not fit."""
-        layer = self.layer
-        row_parallel = not hasattr(layer, "shard_range")
-        width = layer.output_size if row_parallel else sum(layer.local_sizes)
-        a_blocks, b_blocks = [], []
-        for index in sorted(parts):
-            a, b = parts[index]
-            if row_parallel:
-                if a.shape[1] != layer.input_size:
-                    raise ValueError(f"{name}: lora_A has {a.shape[1]} inputs, the model's "
-                                     f"layer {layer.input_size}")
-                if b.shape[0] != layer.output_size:
-                    raise ValueError(f"{name}: lora_B has {b.shape[0]} outputs, the model's "
-                                     f"layer {layer.output_size}")
-                a = a[:, layer.start:layer.start + layer.local_input_size]
-                offset, length = 0, layer.output_size
-            else:
-                offset, start, length = layer.shard_range(index)
-                if a.shape[1] != layer.input_size or b.shape[0] != layer.part_sizes[index]:
-                    raise ValueError(
-                        f"{name}: shapes {tuple(a.shape)} and {tuple(b.shape)} do not fit the "
-                        f"model's ({layer.part_sizes[index]} x {layer.input_size}) layer")
-                b = b[start:start + length]
-            placed = torch.zeros(a.shape[0], width)
-            placed[:, offset:offset + length] = b.float().t() * scale
-            a_blocks.append(a.float())  # r x K
-            b_blocks.append(placed)  # r x N
-        return (torch.cat(a_blocks).to(self.device, self.dtype),
-                torch.cat(b_blocks).to(self.device, self.dtype))
 
     def add(self, slot: int, prepared: tuple[torch.Tensor, torch.Tensor]) -> None:
         a, b = prepared
@@ -221,35 +189,13 @@ class LoRAAdapters:
             layer.lora = LoRALinear(layer, self.batch, dtype, device,
                                     kernels if hasattr(kernels, "lora_add") else None)
 
-    def load(self, name: str, path: str, slot: int) -> AdapterSpec:
-        """Read the adapter at `path` into `slot`; nothing changes if it cannot be served."""
-        spec = read_adapter_config(name, path, self.max_rank)
-        weights: dict[tuple[int, str], dict[int, dict[str, torch.Tensor]]] = {}
-        with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt") as f:
-            for key in f.keys():
-                layer, module, ab = module_of(key)
-                target, part = TARGETS[module]
-                if (layer, target) not in self.layers:
-                    raise AdapterError(
-                        f"LoRA adapter {name!r} ({path}): tensor {key} adapts layer {layer}; "
-                        f"the model has {len(self.model.model.layers)} (is it an adapter of "
-                        "another base model?)")
-                weights.setdefault((layer, target), {}).setdefault(part, {})[ab] = \
-                    f.get_tensor(key)
-        staged = []
-        for where, parts in weights.items():
-            for part, ab in parts.items():
-                if set(ab) != {"A", "B"} or ab["A"].shape[0] != ab["B"].shape[1]:
-                    raise AdapterError(f"LoRA adapter {name!r} ({path}): layer {where[0]} "
-                                       f"{where[1]} part {part} lacks a matching lora_A/lora_B")
-            try:
-                staged.append((where, self.layers[where].lora.prepare(
-                    {p: (ab["A"], ab["B"]) for p, ab in parts.items()}, spec.scale,
-                    f"layer {where[0]} {where[1]}")))
-            except ValueError as e:
-                raise AdapterError(f"LoRA adapter {name!r} ({path}): {e} (is it an adapter "
-                                   "of another base model?)") from None
-        for where, prepared in staged:  # all checked: now the layers take it
+    def load(self, name: str, path: str, slot: int,
+             staged: StagedAdapter | None = None) -> AdapterSpec:
+        """The adapter at `path` into `slot`, from `staged` where it was read ahead
+        (`read_adapter`); nothing changes if it cannot be served."""
+        spec, prepared_layers = staged or read_adapter(
+            self.model, self.layers, self.max_rank, name, path, self.dtype, self.device)
+        for where, prepared in prepared_layers:  # all checked: now the layers take it
             self.layers[where].lora.add(slot, prepared)
         self.slots[name] = slot
         return spec
@@ -258,3 +204,77 @@ class LoRAAdapters:
         slot = self.slots.pop(name)
         for layer in self.layers.values():
             layer.lora.remove(slot)
+
+
+# An adapter read and laid out for the layers it adapts, in none yet: its spec and, for
+# each of those layers, ((layer index, module), (A, B^T)).
+StagedAdapter = tuple[AdapterSpec,
+                      list[tuple[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]]]
+
+
+def read_adapter(model: nn.Module, layers: dict[tuple[int, str], nn.Module], max_rank: int,
+                 name: str, path: str, dtype: torch.dtype,
+                 device: torch.device) -> StagedAdapter:
+    """Read the adapter at `path` and lay it out for `layers` (adapted_layers(model)) on
+    this rank; AdapterError if it cannot be served. It reads the layers' shapes and writes
+    nothing a step reads, so it may run beside a step (ModelRunner.stage_adapter)."""
+    spec = read_adapter_config(name, path, max_rank)
+    weights: dict[tuple[int, str], dict[int, dict[str, torch.Tensor]]] = {}
+    with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt") as f:
+        for key in f.keys():
+            layer, module, ab = module_of(key)
+            target, part = TARGETS[module]
+            if (layer, target) not in layers:
+                raise AdapterError(
+                    f"LoRA adapter {name!r} ({path}): tensor {key} adapts layer {layer}; "
+                    f"the model has {len(model.model.layers)} (is it an adapter of "
+                    "another base model?)")
+            weights.setdefault((layer, target), {}).setdefault(part, {})[ab] = \
+                f.get_tensor(key)
+    staged = []
+    for where, parts in weights.items():
+        for part, ab in parts.items():
+            if set(ab) != {"A", "B"} or ab["A"].shape[0] != ab["B"].shape[1]:
+                raise AdapterError(f"LoRA adapter {name!r} ({path}): layer {where[0]} "
+                                   f"{where[1]} part {part} lacks a matching lora_A/lora_B")
+        try:
+            staged.append((where, prepare(
+                layers[where], {p: (ab["A"], ab["B"]) for p, ab in parts.items()},
+                spec.scale, f"layer {where[0]} {where[1]}", dtype, device)))
+        except ValueError as e:
+            raise AdapterError(f"LoRA adapter {name!r} ({path}): {e} (is it an adapter "
+                               "of another base model?)") from None
+    return spec, staged
+
+
+def prepare(layer: nn.Module, parts: dict[int, tuple[torch.Tensor, torch.Tensor]],
+            scale: float, name: str, dtype: torch.dtype,
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One adapter's (A, B^T) rows for `layer` on this rank, from `parts`: part index ->
+    (A as in the file, B as in the file); ValueError if their shapes do not fit."""
+    row_parallel = not hasattr(layer, "shard_range")
+    width = layer.output_size if row_parallel else sum(layer.local_sizes)
+    a_blocks, b_blocks = [], []
+    for index in sorted(parts):
+        a, b = parts[index]
+        if row_parallel:
+            if a.shape[1] != layer.input_size:
+                raise ValueError(f"{name}: lora_A has {a.shape[1]} inputs, the model's "
+                                 f"layer {layer.input_size}")
+            if b.shape[0] != layer.output_size:
+                raise ValueError(f"{name}: lora_B has {b.shape[0]} outputs, the model's "
+                                 f"layer {layer.output_size}")
+            a = a[:, layer.start:layer.start + layer.local_input_size]
+            offset, length = 0, layer.output_size
+        else:
+            offset, start, length = layer.shard_range(index)
+            if a.shape[1] != layer.input_size or b.shape[0] != layer.part_sizes[index]:
+                raise ValueError(
+                    f"{name}: shapes {tuple(a.shape)} and {tuple(b.shape)} do not fit the "
+                    f"model's ({layer.part_sizes[index]} x {layer.input_size}) layer")
+            b = b[start:start + length]
+        placed = torch.zeros(a.shape[0], width)
+        placed[:, offset:offset + length] = b.float().t() * scale
+        a_blocks.append(a.float())  # r x K
+        b_blocks.append(placed)  # r x N
+    return torch.cat(a_blocks).to(device, dtype), torch.cat(b_blocks).to(device, dtype)

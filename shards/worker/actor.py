@@ -214,6 +214,11 @@ class ShardActor:
     def _step(self, step_input: StepInput) -> StepOutput | None:
         return self.runner.step(step_input)
 
+    def stage_adapter(self, name: str, path: str) -> None:
+        """Read a LoRA adapter ahead of the step that loads it (ModelRunner.stage_adapter):
+        on the actor's default thread, beside the steps on the torch thread."""
+        self.runner.stage_adapter(name, path)
+
     def unpark(self) -> None:
         """End the Park step this rank waits in (an actor call, so it runs on the actor's
         default thread while the compiled graph's loop holds its own)."""

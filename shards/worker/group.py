@@ -331,6 +331,11 @@ class ShardGroup:
             self.shutdown()
             return ShardError(self.error)
 
+    async def stage_adapter(self, name: str, path: str) -> None:
+        """Every rank reads the LoRA adapter at `path` beside its steps, so that the step
+        that loads it (the engine's add_adapter) only copies it into place."""
+        await asyncio.gather(*(a.stage_adapter.remote(name, path) for a in self.actors))
+
     def check_health(self) -> bool:
         """Whether every rank's process is alive, by the GCS: a busy rank is healthy."""
         if not self.healthy:

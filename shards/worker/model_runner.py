@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from engine.messages import StepInput, StepOutput
 from engine.sampling_params import SamplingParams
+from shards.checkpoints.adapters import AdapterError
 from shards.checkpoints.loader import load_weights
 from shards.cpu.plan import bind_torch_threads
 from shards.model.attention import (
@@ -46,11 +47,14 @@ from shards.model.layers import (
     widen_bf16_weights,
 )
 from shards.model.llama import CausalLM
-from shards.model.lora import LoRAAdapters
+from shards.model.lora import LoRAAdapters, StagedAdapter, adapted_layers, read_adapter
 from shards.model.sampler import SampleRow, sample
 from shards.shard_config import ShardConfig
 
 logger = logging.getLogger(__name__)
+
+# Adapters read ahead (stage_adapter) whose loading step has not come yet: a few at most.
+MAX_STAGED_ADAPTERS = 4
 
 
 def available_memory() -> int:
@@ -207,6 +211,7 @@ class ModelRunner:
             use_cpu_kernels(self.model, self.backend.kernel)
             logger.info("RMSNorm and rotary embedding: raygen's CPU kernels")
         self.lora: LoRAAdapters | None = None
+        self.staged_adapters: dict[tuple[str, str], StagedAdapter] = {}  # stage_adapter's
         if config.lora_adapters:
             self.lora = LoRAAdapters(self.model, config.max_lora_rank, self.dtype, self.device,
                                      self._lora_kernels())
@@ -542,9 +547,27 @@ class ModelRunner:
         used = set(self.lora.slots.values())
         slot = next(s for s in range(1, len(used) + 2) if s not in used)
         t0 = time.perf_counter()
-        spec = self.lora.load(name, path, slot)
+        spec = self.lora.load(name, path, slot, self.staged_adapters.pop((name, path), None))
         logger.info("LoRA adapter %s: rank %d over %s (%s), loaded in %.2f s", name, spec.rank,
                     ", ".join(spec.target_modules), path, time.perf_counter() - t0)
+
+    def stage_adapter(self, name: str, path: str) -> None:
+        """Read the LoRA adapter at `path` and lay it out for this rank ahead of the step
+        that loads it, which then only copies it into place: called beside the steps (the
+        shard actor's other thread), since reading it inside a step stalled every stream
+        for that long. A bad one is left for that step to refuse."""
+        layers = self.lora.layers if self.lora is not None else adapted_layers(self.model)
+        t0 = time.perf_counter()
+        try:
+            staged = read_adapter(self.model, layers, self.config.max_lora_rank, name, path,
+                                  self.dtype, self.device)
+        except AdapterError:
+            return
+        while len(self.staged_adapters) >= MAX_STAGED_ADAPTERS:  # never loaded: the oldest go
+            self.staged_adapters.pop(next(iter(self.staged_adapters)))
+        self.staged_adapters[(name, path)] = staged
+        logger.info("LoRA adapter %s read ahead of its step in %.2f s", name,
+                    time.perf_counter() - t0)
 
     def _lora_kernels(self):
         """The LoRA kernel comes with raygen's CPU attention kernel, like the norm and

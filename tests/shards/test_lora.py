@@ -5,6 +5,7 @@ block across adapters; bad adapters are refused by name."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -138,10 +139,19 @@ def test_adapters_added_and_removed_between_steps(llama_dir, adapters):
             got[out.request_id].extend(out.token_ids)
 
     step()
+    # Read ahead on another thread while a step runs (the shard actor's two threads), then
+    # loaded by a step from what was read; a bad adapter is left for its step to refuse.
+    reader = threading.Thread(target=runner.stage_adapter, args=("beta@1", adapters["beta"]))
+    reader.start()
+    step()
+    reader.join()
+    runner.stage_adapter("bad", "/nonexistent/adapter")
+    assert list(runner.staged_adapters) == [("beta@1", adapters["beta"])]
     engine.add_adapter("beta@1", adapters["beta"])  # while "base" runs
     engine.add_request("late", prompts[1], SamplingParams(max_new_tokens=8, adapter="beta@1"))
     step()
     assert runner.lora is not None and runner.lora.slots == {"beta@1": 1}
+    assert runner.staged_adapters == {}  # taken by the step
     engine.remove_adapter("beta@1")  # "late" still runs: dropped after it
     with pytest.raises(ValueError, match="'beta@1' is not loaded"):
         engine.add_request("refused", prompts[1], SamplingParams(adapter="beta@1"))

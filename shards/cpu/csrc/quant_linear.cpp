@@ -14,8 +14,11 @@
 // Threads claim 16 output rows at a time (claim.h), computed in tiles of weight rows by
 // rows of x (an accumulator register for each pair; `product`).
 //
-// AVX-512 only, as panel_linear.cpp: elsewhere `quant_supported` is false and the shards
-// keep the float32 weights (shards/model/layers.py).
+// Built for AVX-512, or for AVX2 with FMA and F16C (the AMD EPYC and older Intel kinds these
+// machines come in): there each block is unpacked in 4 vectors of 8 and dequantized in
+// registers (w = d * q + m, one FMA), so x's block sums are not needed. Elsewhere
+// `quant_supported` is false and the shards keep the float32 weights (shards/model/layers.py).
+// The int8 products (`linear_quant_i8`) need AVX-512 VNNI.
 #include "ops.h"
 
 #include "bias.h"
@@ -27,7 +30,8 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
+#define RAYGEN_QUANT_FLOAT 1
 #include <immintrin.h>
 #endif
 
@@ -47,7 +51,7 @@ int64_t block_bytes(int64_t type) {
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(RAYGEN_QUANT_FLOAT)
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
@@ -55,6 +59,7 @@ inline float half_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
+#if defined(__AVX512F__)
 
 // The block's 32 quants as two vectors of 16 floats (weights 0-15, 16-31), and its d, m.
 template <int64_t T>
@@ -130,6 +135,79 @@ inline void dot_tile(const float* x, int64_t K, const float* sums, int64_t nb, c
       out[r * ldo + n] = _mm512_reduce_add_ps(acc[r][n]) + mins[r][n] + (bias ? bias[n] : 0.0f);
 }
 
+#else  // AVX2, FMA, F16C
+
+// A block's d and m (w = d * q + m; Q4_0: m = -8 d; Q8_0: m = 0; bfloat16: d = 1, m = 0).
+template <int64_t T>
+inline void scales(const uint8_t* blk, float& d, float& m) {
+  if constexpr (T == kBF16) {
+    d = 1.0f;
+    m = 0.0f;
+  } else {
+    d = half_at(blk);
+    m = T == kQ4_1 ? half_at(blk + 2) : T == kQ4_0 ? -8.0f * d : 0.0f;
+  }
+}
+
+// Weights 8c .. 8c+7 of a block, dequantized. Q4 blocks hold weight j in byte j's low
+// nibble and weight j + 16 in its high one, so chunks 0 and 1 are low nibbles, 2 and 3 high.
+template <int64_t T>
+inline __m256 weights8(const uint8_t* blk, int c, float d, float m) {
+  if constexpr (T == kBF16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * c));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else if constexpr (T == kQ8_0) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * c));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_set1_ps(d));
+  } else {
+    const uint8_t* qs = blk + (T == kQ4_1 ? 4 : 2) + 8 * (c & 1);
+    __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs));
+    if (c >= 2) q = _mm_srli_epi16(q, 4);
+    q = _mm_and_si128(q, _mm_set1_epi8(0x0F));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_set1_ps(d),
+                           _mm256_set1_ps(m));
+  }
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// As the AVX-512 tile above, on vectors of 8: MR x NR accumulators, each dequantized chunk
+// of 8 weights used for MR rows of x, each chunk of x for NR weight rows.
+template <int64_t T, int MR, int NR>
+inline void dot_tile(const float* x, int64_t K, const float* /*sums*/, int64_t nb,
+                     const uint8_t* w, int64_t row_bytes, float* out, int64_t ldo,
+                     const float* bias) {
+  __m256 acc[MR][NR];
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
+  constexpr int64_t bytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : T == kQ8_0 ? 34 : 64;
+  for (int64_t b = 0; b < nb; ++b) {
+    float d[NR], m[NR];
+    for (int n = 0; n < NR; ++n) {
+      const uint8_t* blk = w + n * row_bytes + b * bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(blk + NR * row_bytes), _MM_HINT_T0);
+      scales<T>(blk, d[n], m[n]);
+    }
+    for (int c = 0; c < 4; ++c) {
+      __m256 wv[NR];
+      for (int n = 0; n < NR; ++n) wv[n] = weights8<T>(w + n * row_bytes + b * bytes, c, d[n], m[n]);
+      for (int r = 0; r < MR; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + r * K + b * kBlock + 8 * c);
+        for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_fmadd_ps(xv, wv[n], acc[r][n]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int n = 0; n < NR; ++n)
+      out[r * ldo + n] = hsum(acc[r][n]) + (bias ? bias[n] : 0.0f);
+}
+
+#endif  // __AVX512F__
+
 template <int V>
 using Int = std::integral_constant<int, V>;
 
@@ -179,7 +257,8 @@ template <int64_t T, int NR, int MAXR>
 void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
              int64_t N, const float* bias, float* out) {
   const int64_t nb = K / kBlock;
-  std::vector<float> sums(M * nb, 0.0f);  // x's block sums (the min term)
+  std::vector<float> sums(M * nb, 0.0f);  // x's block sums (the min term; AVX-512's tile)
+#if defined(__AVX512F__)
   if (T == kQ4_0 || T == kQ4_1)
     for (int64_t r = 0; r < M; ++r)
       for (int64_t b = 0; b < nb; ++b) {
@@ -187,6 +266,7 @@ void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row
         for (int64_t j = 0; j < kBlock; ++j) s += x[r * K + b * kBlock + j];
         sums[r * nb + b] = s;
       }
+#endif
   over_tiles<NR, MAXR>(M, N, [&](auto mr, auto nr, int64_t r, int64_t n) {
     dot_tile<T, decltype(mr)::value, decltype(nr)::value>(
         x + r * K, K, sums.data() + r * nb, nb, w + n * row_bytes, row_bytes, out + r * N + n,
@@ -379,12 +459,12 @@ void product_i8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
 }
 #endif  // __AVX512VNNI__
 
-#endif  // __AVX512F__
+#endif  // RAYGEN_QUANT_FLOAT
 
 }  // namespace
 
 bool quant_supported() {
-#if defined(__AVX512F__)
+#if defined(RAYGEN_QUANT_FLOAT)
   return true;
 #else
   return false;
@@ -422,25 +502,35 @@ Call check_call(const char* name, const at::Tensor& x, const at::Tensor& weight,
 }
 
 // `run(type, NR, MAXR)` with the tile for the step's rows: 4 weight rows by 4 rows of x for
-// steps of up to 4 rows, 2 by 8 beyond (16 accumulators either way).
+// steps of up to 4 rows, 2 by 8 beyond (16 accumulators either way). AVX2 has 16 vector
+// registers, not 32: 4 by 2 and 2 by 4 (8 accumulators).
 template <int64_t T, typename Run>
 void with_tile(int64_t rows, Run&& run) {
+#if !defined(__AVX512F__)
+  if (rows <= 2)
+    run(std::integral_constant<int64_t, T>{}, std::integral_constant<int, 4>{},
+        std::integral_constant<int, 2>{});
+  else
+    run(std::integral_constant<int64_t, T>{}, std::integral_constant<int, 2>{},
+        std::integral_constant<int, 4>{});
+#else
   if (rows <= 4)
     run(std::integral_constant<int64_t, T>{}, std::integral_constant<int, 4>{},
         std::integral_constant<int, 4>{});
   else
     run(std::integral_constant<int64_t, T>{}, std::integral_constant<int, 2>{},
         std::integral_constant<int, 8>{});
+#endif
 }
 
 }  // namespace
 
 at::Tensor linear_quant(at::Tensor x, at::Tensor weight, int64_t type, int64_t out_features,
                         std::optional<at::Tensor> bias) {
-  TORCH_CHECK(quant_supported(), "linear_quant: built without AVX-512");
+  TORCH_CHECK(quant_supported(), "linear_quant: built without AVX-512 or AVX2 with FMA");
   Call c = check_call("linear_quant", x, weight, type, out_features, bias);
   if (c.M == 0) return c.out;
-#if defined(__AVX512F__)
+#if defined(RAYGEN_QUANT_FLOAT)
   const auto run = [&](auto t, auto nr, auto maxr) {
     product<decltype(t)::value, decltype(nr)::value, decltype(maxr)::value>(
         c.x.data_ptr<float>(), c.M, c.K, weight.data_ptr<uint8_t>(), c.row_bytes, out_features,
