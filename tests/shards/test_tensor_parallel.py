@@ -80,6 +80,12 @@ def test_tp2_equals_tp1_and_transformers_with_staggered_arrivals(llama_dir, toke
     assert outs[2] == outs[1] == ref
 
 
+def staged(group: ShardGroup) -> list[list[tuple[str, str]]]:
+    """Each rank's adapters read ahead and not yet loaded."""
+    return ray.get([a.__ray_call__.remote(lambda self: list(self.runner.staged_adapters))
+                    for a in group.actors])
+
+
 def test_lora_adapters_at_tp2_equal_peft_in_a_mixed_batch(llama_dir, tokenizer,
                                                           tmp_path_factory):
     """Each rank holds its slice of every adapter (B's rows of q/k/v and gate/up, A's
@@ -96,7 +102,10 @@ def test_lora_adapters_at_tp2_equal_peft_in_a_mixed_batch(llama_dir, tokenizer,
         for i, (prompt, adapter) in enumerate(zip(prompts, which, strict=True)):
             llm.engine.add_request(f"r{i}", prompt,
                                    SamplingParams(max_new_tokens=10, adapter=adapter))
-            if i == 4:  # loaded at run time: every rank with the same step
+            if i == 4:  # loaded at run time: every rank with the same step, having read it
+                # beside its steps first (the batcher's order), which that step then takes
+                asyncio.run(llm.group.stage_adapter("late@1", adapters["gamma"]))
+                assert staged(llm.group) == [[("late@1", adapters["gamma"])]] * 2
                 llm.engine.add_adapter("late@1", adapters["gamma"])
                 llm.engine.add_request("late", prompt,
                                        SamplingParams(max_new_tokens=10, adapter="late@1"))
@@ -104,6 +113,7 @@ def test_lora_adapters_at_tp2_equal_peft_in_a_mixed_batch(llama_dir, tokenizer,
         while llm.engine.has_unfinished_requests():
             for out in llm.engine.step():
                 got[out.request_id].extend(out.token_ids)
+        assert staged(llm.group) == [[]] * 2
     finally:
         llm.group.shutdown()
     assert got["late"] == peft_greedy(llama_dir, adapters["gamma"], prompts[4], 10)
