@@ -12,6 +12,7 @@ shards."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -100,6 +101,9 @@ class Batcher:
         self._packed: tuple[int, bytes] = (-1, b"")
         self.pusher, self.hub = None, metrics_hub
         self.start_adapters = frozenset(name for name, _ in args.adapters)
+        # LoRA adapters of this replica's generations, counted from their arrival: one not
+        # yet in the scheduler (an await or two away) is never the one max_cpu_loras drops.
+        self.adapters_in_use: collections.Counter[str] = collections.Counter()
         if metrics_hub is not None:
             self.pusher = Pusher(metrics_hub, replica_source("Batcher"), self._families)
         self.compute_path = self.group.placements()[0]["compute_path"]  # rank 0's, as all
@@ -154,13 +158,26 @@ class Batcher:
             logger.warning("LoRA adapter %s not read ahead: %s", adapter, e)
         if adapter in self.engine.adapters:  # loaded by another request meanwhile
             return None
-        evicted = self.engine.add_adapter(adapter, paths[adapter])
+        evicted = self.engine.add_adapter(adapter, paths[adapter], +self.adapters_in_use)
         if evicted:
             logger.info("LoRA adapters %s dropped (max_cpu_loras=%s, least recently used)",
                         ", ".join(evicted), self.args.max_cpu_loras)
         return None
 
     async def _outputs(self, request: GenerateInput) -> AsyncIterator[RequestOutput]:
+        adapter = request.params.adapter
+        if adapter is not None:
+            self.adapters_in_use[adapter] += 1
+        outputs = self._engine_outputs(request)
+        try:
+            async for output in outputs:
+                yield output
+        finally:
+            await outputs.aclose()  # aborts the request unless it finished
+            if adapter is not None:
+                self.adapters_in_use[adapter] -= 1
+
+    async def _engine_outputs(self, request: GenerateInput) -> AsyncIterator[RequestOutput]:
         adapter = request.params.adapter
         if adapter is not None and adapter not in self.engine.adapters:
             error = await self._adapter_error(adapter)

@@ -9,7 +9,7 @@ them without blocking its event loop.
 from __future__ import annotations
 
 import random
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -69,16 +69,17 @@ class LLMEngine:
             [] if params.prompt_logprobs else None,
         )
 
-    def add_adapter(self, name: str, path: str) -> list[str]:
+    def add_adapter(self, name: str, path: str, in_use: Iterable[str] = ()) -> list[str]:
         """Serve the LoRA adapter at `path` as `name` from the next step on. Past
         max_cpu_loras added adapters, the least recently used without a request running
-        or waiting is removed first; returns those removed."""
+        or waiting, and not `in_use` (requests on their way in), is removed first;
+        returns those removed."""
         if name in self.adapters:
             raise ValueError(f"LoRA adapter {name!r} is already loaded")
         evicted = []
         limit = self.scheduler.config.max_cpu_loras
         if limit is not None:
-            busy = {r.params.adapter for r in self.scheduler.requests.values()}
+            busy = {r.params.adapter for r in self.scheduler.requests.values()} | set(in_use)
             for old in list(self.added_adapters):
                 if len(self.added_adapters) < limit:
                     break

@@ -257,9 +257,19 @@ def set_quant_rows(model: nn.Module, up_to: int) -> None:
         m.quant_rows = up_to
 
 
+def cpu_bf16_products() -> bool:
+    """Whether oneDNN multiplies bfloat16 natively on this CPU (avx512_bf16, AMX)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available())
+    """Whether oneDNN can multiply by the weights: float32, or bfloat16 where the CPU has
+    native bf16 products (elsewhere its reorder refuses them: AVX2 CPUs)."""
+    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
+            and (dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_bf16_products())))
 
 
 def linear_weight_bytes(model: nn.Module) -> int:

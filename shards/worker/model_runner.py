@@ -31,6 +31,7 @@ from shards.model.grammar import Grammars
 from shards.model.layers import (
     PANEL_MAX_ROWS,
     TPContext,
+    cpu_bf16_products,
     drop_gguf_blocks,
     linear_weight_bytes,
     onednn_usable,
@@ -133,14 +134,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def cpu_bf16_products() -> bool:
-    """Whether oneDNN multiplies bfloat16 natively on this CPU (avx512_bf16, AMX)."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def resolve_dtype(name: str, device: torch.device, checkpoint: str) -> torch.dtype:
     if name == "auto":
         return getattr(torch, checkpoint) if device.type == "cuda" else torch.float32
@@ -233,8 +226,9 @@ class ModelRunner:
             raise ValueError(f"cpu_matmul must be auto, onednn or torch, not {choice!r}")
         usable = onednn_usable(self.device, self.dtype)
         if choice == "onednn" and not usable:
-            raise ValueError(f"cpu_matmul=onednn needs a CPU shard in float32 or bfloat16 "
-                             f"with oneDNN (here: {self.device.type}, {self.dtype})")
+            raise ValueError(f"cpu_matmul=onednn needs a CPU shard with oneDNN in float32, or "
+                             f"in bfloat16 on a CPU with native bf16 products (here: "
+                             f"{self.device.type}, {self.dtype})")
         if choice == "torch" or not usable:
             return "torch"
         if self.config.quantize is not None:  # before the packing, which frees the floats

@@ -1,5 +1,6 @@
 """bfloat16 on CPU: the weight products in bfloat16 through oneDNN (fp32 accumulation),
-everything else in float32; measured against the float32 model on real weights."""
+everything else in float32, measured against the float32 model on real weights; on a CPU
+without native bf16 products (AVX2), bfloat16 in torch throughout."""
 
 from __future__ import annotations
 
@@ -9,13 +10,12 @@ import torch
 from deployments.offline import LLM
 from engine.sampling_params import SamplingParams
 from shards.worker.model_runner import cpu_bf16_products
-from tests.reference import smollm2_gguf
+from tests.reference import make_prompts, smollm2_gguf
 from tests.shards.test_quant import TEXT
 
-pytestmark = pytest.mark.skipif(not cpu_bf16_products(),
-                                reason="oneDNN has no native bfloat16 products on this CPU")
 
-
+@pytest.mark.skipif(not cpu_bf16_products(),
+                    reason="oneDNN has no native bfloat16 products on this CPU")
 def test_bfloat16_weights_score_real_text_close_to_float32():
     """Teacher-forced logprobs of a fixed text, and a greedy chat answer. Measured on
     SmolLM2-135M (the shipped Q4_1 file's weights) on an Intel Xeon: mean |difference|
@@ -44,3 +44,35 @@ def test_bfloat16_weights_score_real_text_close_to_float32():
     assert answers["bfloat16"] == answers["float32"]
     assert bf16.weight_copy in (None, "float32, widened from bfloat16")  # as timed
     assert answers["float32"].startswith("The capital of France is Paris")
+
+
+def test_bfloat16_without_native_products_runs_in_torch(llama_dir, monkeypatch):
+    """Where oneDNN has no native bf16 products (this repository's AMD EPYC: AVX2), its
+    reorder refuses bfloat16 weights: the shard runs bfloat16 in torch throughout instead,
+    and follows transformers in bfloat16 (the first tokens and their log-probabilities;
+    half-precision near-ties may flip a later one)."""
+    from transformers import AutoModelForCausalLM
+
+    from shards.model import layers
+    from shards.worker import model_runner
+
+    for module in (layers, model_runner):
+        monkeypatch.setattr(module, "cpu_bf16_products", lambda: False)
+    llm = LLM(llama_dir, num_blocks=64, dtype="bfloat16")
+    runner = llm.runner
+    assert (runner.dtype, runner.matmul, runner.backend.name) == (torch.bfloat16, "torch",
+                                                                  "torch")
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16).eval()
+    prompts = make_prompts(runner.model_config.vocab_size, [5, 40], seed=4)
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=8, top_n_tokens=1))
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True,
+                                 attention_mask=torch.ones(1, len(prompt)))
+        tokens = ref.sequences[0, len(prompt):].tolist()
+        logprobs = [torch.log_softmax(s[0].float(), -1)[t].item()
+                    for s, t in zip(ref.scores, tokens, strict=True)]
+        assert out.token_ids[:4] == tokens[:4]
+        torch.testing.assert_close(torch.tensor(out.logprobs[:4]), torch.tensor(logprobs[:4]),
+                                   rtol=0, atol=0.05)

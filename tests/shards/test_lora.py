@@ -204,6 +204,18 @@ def test_max_cpu_loras_drops_the_least_recently_used_idle_adapter(llama_dir, ada
     assert engine.adapters == {"a@1", "c@3", "b@4"}
 
 
+def test_max_cpu_loras_keeps_an_adapter_whose_request_is_on_its_way(llama_dir, adapters):
+    """The batcher names the adapters of requests that passed its check and are not in
+    the scheduler yet (`in_use`): none of them is dropped to make room."""
+    llm = LLM(llama_dir, num_blocks=128, max_cpu_loras=1)
+    engine = llm.engine
+    assert engine.add_adapter("a@1", adapters["alpha"]) == []
+    assert engine.add_adapter("b@2", adapters["beta"], in_use={"a@1"}) == []
+    assert engine.adapters == {"a@1", "b@2"}
+    assert engine.add_adapter("c@3", adapters["gamma"], in_use={"b@2"}) == ["a@1"]
+    assert engine.adapters == {"b@2", "c@3"}
+
+
 def test_the_cpu_kernel_adds_each_rows_own_adapter_delta():
     """lora_add against torch: rows of the base model (no columns), of adapters of ranks
     2 to 48 side by side, a K that is no multiple of a vector; bad columns are refused."""
