@@ -339,7 +339,8 @@ def set_copy_rows(model: nn.Module, one_row: bool, up_to: int) -> tuple[int, int
 
 def pack_for_onednn(model: nn.Module, batch_hint: int = ONEDNN_BATCH_HINT,
                     one_row_copy: bool = False, panel_kernels: Any = None,
-                    weight_dtype: torch.dtype | None = None, block_kernels: Any = None) -> int:
+                    weight_dtype: torch.dtype | None = None, block_kernels: Any = None,
+                    bf16_products: bool = True) -> int:
     """Reorder every linear weight into oneDNN's blocked layout; a weight that nothing
     else shares (the embedding, when tied) is then freed, so memory stays one copy, or two
     with `one_row_copy` (each weight also kept K x N for one-row products, or as panels
@@ -347,7 +348,8 @@ def pack_for_onednn(model: nn.Module, batch_hint: int = ONEDNN_BATCH_HINT,
     for a float32 model) the packed weights take that type, and no copy is made; with
     `block_kernels` too, each bfloat16 weight also serves raygen's block kernel
     (`_Matmul.quant`, the same tensor viewed as bytes; `set_quant_rows` turns it on).
-    Returns the bytes packed."""
+    Without `bf16_products` (a CPU whose oneDNN refuses bfloat16 weights) oneDNN gets the
+    bfloat16 values widened to float32. Returns the bytes packed."""
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
@@ -357,8 +359,10 @@ def pack_for_onednn(model: nn.Module, batch_hint: int = ONEDNN_BATCH_HINT,
             continue
         weight = module.weight
         source = weight.detach() if weight_dtype is None else weight.detach().to(weight_dtype)
-        module.packed = torch.ops.mkldnn._reorder_linear_weight(source, batch_hint)
-        module.packed_dtype = weight_dtype
+        wide = weight_dtype is not None and not bf16_products
+        module.packed = torch.ops.mkldnn._reorder_linear_weight(
+            source.float() if wide else source, batch_hint)
+        module.packed_dtype = None if wide else weight_dtype
         module.weight_shape = tuple(weight.shape)
         if (block_kernels is not None and weight_dtype == torch.bfloat16
                 and weight.shape[1] % 32 == 0):
@@ -371,7 +375,7 @@ def pack_for_onednn(model: nn.Module, batch_hint: int = ONEDNN_BATCH_HINT,
             module.panel_rows = (1, PANEL_MAX_ROWS)
         elif one_row_copy:
             module.transposed = weight.detach().t().contiguous()
-        packed += source.numel() * source.element_size()
+        packed += source.numel() * (4 if wide else source.element_size())
         if uses[id(weight)] == 1:
             weight.data = weight.data.new_empty(0)
     return packed

@@ -134,6 +134,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def bf16_block_kernel(attention_backend: str) -> bool:
+    """Whether raygen's CPU kernels (which come with its attention backend) multiply by
+    bfloat16 weights on this CPU (AVX-512, or AVX2 with FMA and F16C)."""
+    if attention_backend not in ("auto", "cpu"):
+        return False
+    from shards.cpu import kernels
+
+    module = kernels.load()
+    return module is not None and module.quant_supported()
+
+
 def resolve_dtype(name: str, device: torch.device, checkpoint: str) -> torch.dtype:
     if name == "auto":
         return getattr(torch, checkpoint) if device.type == "cuda" else torch.float32
@@ -182,13 +193,19 @@ class ModelRunner:
         # bfloat16 by oneDNN (fp32 accumulation, half of float32's bytes to stream), and the
         # rest (activations, attention, the KV cache) stays float32, where raygen's CPU
         # kernels run; a bfloat16 model in torch ran slower than float32 here
-        # (benchmarks/NOTES.md 56).
+        # (benchmarks/NOTES.md 56). Without native bf16 products (AVX2 CPUs: oneDNN refuses
+        # bf16 weights there), raygen's block kernel multiplies by the bfloat16 weights in
+        # the steps of few rows, and float32 copies of them serve the bigger ones (NOTES 63).
         self.weight_dtype = self.dtype
+        self.bf16_products = cpu_bf16_products()
         if (self.device.type == "cpu" and self.dtype == torch.bfloat16
-                and config.cpu_matmul != "torch" and cpu_bf16_products()):
+                and config.cpu_matmul != "torch"
+                and (self.bf16_products or bf16_block_kernel(config.attention_backend))):
             self.dtype = torch.float32
-            logger.info("bfloat16 weight products (oneDNN, fp32 accumulation); activations, "
-                        "attention and KV cache in float32")
+            logger.info("bfloat16 weight products (%s, fp32 accumulation); activations, "
+                        "attention and KV cache in float32",
+                        "oneDNN" if self.bf16_products else
+                        "raygen's block kernel, float32 copies for bigger steps")
         self.backend = select_backend(config.attention_backend, self.device, self.dtype,
                                       config.block_size)
         logger.info("attention backend: %s", self.backend.name)
@@ -242,11 +259,15 @@ class ModelRunner:
             if kernels is not None and not kernels.quant_supported():
                 kernels = None
             size = pack_for_onednn(self.model, weight_dtype=self.weight_dtype,
-                                   block_kernels=kernels)
-            logger.info("weights reordered for oneDNN in %s: %.0f MB", self.weight_dtype,
+                                   block_kernels=kernels, bf16_products=self.bf16_products)
+            logger.info("weights reordered for oneDNN in %s: %.0f MB",
+                        self.weight_dtype if self.bf16_products else torch.float32,
                         size / 2**20)
             self.quant_types = {"BF16": n} if (n := len(quantized(self.model))) else {}
-            if self.quant_types:
+            if self.quant_types and not self.bf16_products:
+                self.weight_copy = "float32, widened from bfloat16"
+                self._time_quantized()
+            elif self.quant_types:
                 # Bigger steps: oneDNN in bfloat16, or in float32 on the widened weights
                 # where that is faster (this Xeon emulates bf16: 2x slower at 128 rows).
                 self.bf16_timings = time_bf16_products(self.model, BF16_TIMED_ROWS)

@@ -46,19 +46,57 @@ def test_bfloat16_weights_score_real_text_close_to_float32():
     assert answers["float32"].startswith("The capital of France is Paris")
 
 
-def test_bfloat16_without_native_products_runs_in_torch(llama_dir, monkeypatch):
-    """Where oneDNN has no native bf16 products (this repository's AMD EPYC: AVX2), its
-    reorder refuses bfloat16 weights: the shard runs bfloat16 in torch throughout instead,
-    and follows transformers in bfloat16 (the first tokens and their log-probabilities;
-    half-precision near-ties may flip a later one)."""
-    from transformers import AutoModelForCausalLM
-
+def no_native_bf16(monkeypatch) -> None:
+    """As on this repository's AMD EPYC (AVX2), where oneDNN refuses bfloat16 weights."""
     from shards.model import layers
     from shards.worker import model_runner
 
     for module in (layers, model_runner):
         monkeypatch.setattr(module, "cpu_bf16_products", lambda: False)
-    llm = LLM(llama_dir, num_blocks=64, dtype="bfloat16")
+
+
+def test_bfloat16_without_native_products_multiplies_bf16_weights_in_the_block_kernel(
+        llama_dir, monkeypatch):
+    """Few-row steps through raygen's kernel on the bfloat16 weights, the bigger ones on
+    float32 copies of them, the rest float32: the float32 model on bf16-rounded weights,
+    token for token."""
+    from transformers import AutoModelForCausalLM
+
+    from shards.worker.model_runner import bf16_block_kernel
+
+    if not bf16_block_kernel("auto"):
+        pytest.skip("raygen's CPU kernels are not built for this CPU")
+    no_native_bf16(monkeypatch)
+    llm = LLM(llama_dir, num_blocks=256, dtype="bfloat16", max_batch_prefill_tokens=64)
+    runner = llm.runner
+    assert (runner.weight_dtype, runner.dtype, runner.matmul) == (torch.bfloat16,
+                                                                  torch.float32, "onednn")
+    assert runner.quant_types["BF16"] > 0  # every linear whose inputs are whole blocks of 32
+    assert runner.quant_rows >= 1  # the kernel serves the one-row steps at least
+    # The reference: float32, with the linears' weights (the head's too, untied from the
+    # embedding, which raygen keeps in float32 for its lookups) rounded to bfloat16.
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight = torch.nn.Parameter(module.weight.detach().bfloat16().float(),
+                                               requires_grad=False)
+    prompts = make_prompts(runner.model_config.vocab_size, [3, 17, 70, 150], seed=6)
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=12))
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.inference_mode():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt)))
+        assert out.token_ids == ref[0, len(prompt):].tolist(), len(prompt)
+
+
+def test_bfloat16_without_native_products_or_kernels_runs_in_torch(llama_dir, monkeypatch):
+    """Without raygen's kernels either (attention_backend=torch here), bfloat16 runs in
+    torch throughout, and follows transformers in bfloat16 (the first tokens and their
+    log-probabilities; half-precision near-ties may flip a later one)."""
+    from transformers import AutoModelForCausalLM
+
+    no_native_bf16(monkeypatch)
+    llm = LLM(llama_dir, num_blocks=64, dtype="bfloat16", attention_backend="torch")
     runner = llm.runner
     assert (runner.dtype, runner.matmul, runner.backend.name) == (torch.bfloat16, "torch",
                                                                   "torch")
