@@ -503,16 +503,21 @@ Call check_call(const char* name, const at::Tensor& x, const at::Tensor& weight,
 
 // `run(type, NR, MAXR)` with the tile for the step's rows: 4 weight rows by 4 rows of x for
 // steps of up to 4 rows, 2 by 8 beyond (16 accumulators either way). AVX2 has 16 vector
-// registers, not 32: 4 by 2 and 2 by 4 (8 accumulators).
+// registers, not 32: 8 accumulators, 4 by 2 up to 2 rows, 2 by 4 up to 4, and 1 by 8
+// beyond (each block unpacked once per 8 rows: 22 against 28 ms at 8 rows, 46 against 56
+// at 16, for SmolLM2's linears on an AMD EPYC; benchmarks/NOTES.md 63).
 template <int64_t T, typename Run>
 void with_tile(int64_t rows, Run&& run) {
 #if !defined(__AVX512F__)
   if (rows <= 2)
     run(std::integral_constant<int64_t, T>{}, std::integral_constant<int, 4>{},
         std::integral_constant<int, 2>{});
-  else
+  else if (rows <= 4)
     run(std::integral_constant<int64_t, T>{}, std::integral_constant<int, 2>{},
         std::integral_constant<int, 4>{});
+  else
+    run(std::integral_constant<int64_t, T>{}, std::integral_constant<int, 1>{},
+        std::integral_constant<int, 8>{});
 #else
   if (rows <= 4)
     run(std::integral_constant<int64_t, T>{}, std::integral_constant<int, 4>{},
