@@ -243,9 +243,9 @@ class ModelRunner:
             raise ValueError(f"cpu_matmul must be auto, onednn or torch, not {choice!r}")
         usable = onednn_usable(self.device, self.dtype)
         if choice == "onednn" and not usable:
-            raise ValueError(f"cpu_matmul=onednn needs a CPU shard with oneDNN in float32, or "
-                             f"in bfloat16 on a CPU with native bf16 products (here: "
-                             f"{self.device.type}, {self.dtype})")
+            raise ValueError(f"cpu_matmul=onednn needs a CPU shard with oneDNN in float32 or "
+                             f"bfloat16, bfloat16 on a CPU with native bf16 products or "
+                             f"raygen's kernels (here: {self.device.type}, {self.dtype})")
         if choice == "torch" or not usable:
             return "torch"
         if self.config.quantize is not None:  # before the packing, which frees the floats
