@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -221,7 +222,9 @@ class ModelRunner:
             use_cpu_kernels(self.model, self.backend.kernel)
             logger.info("RMSNorm and rotary embedding: raygen's CPU kernels")
         self.lora: LoRAAdapters | None = None
-        self.staged_adapters: dict[tuple[str, str], StagedAdapter] = {}  # stage_adapter's
+        # stage_adapter's, written on the shard actor's other thread, taken by steps
+        self.staged_adapters: dict[tuple[str, str], StagedAdapter] = {}
+        self._staged_lock = threading.Lock()
         if config.lora_adapters:
             self.lora = LoRAAdapters(self.model, config.max_lora_rank, self.dtype, self.device,
                                      self._lora_kernels())
@@ -562,7 +565,9 @@ class ModelRunner:
         used = set(self.lora.slots.values())
         slot = next(s for s in range(1, len(used) + 2) if s not in used)
         t0 = time.perf_counter()
-        spec = self.lora.load(name, path, slot, self.staged_adapters.pop((name, path), None))
+        with self._staged_lock:
+            staged = self.staged_adapters.pop((name, path), None)
+        spec = self.lora.load(name, path, slot, staged)
         logger.info("LoRA adapter %s: rank %d over %s (%s), loaded in %.2f s", name, spec.rank,
                     ", ".join(spec.target_modules), path, time.perf_counter() - t0)
 
@@ -578,9 +583,10 @@ class ModelRunner:
                                   self.dtype, self.device)
         except AdapterError:
             return
-        while len(self.staged_adapters) >= MAX_STAGED_ADAPTERS:  # never loaded: the oldest go
-            self.staged_adapters.pop(next(iter(self.staged_adapters)))
-        self.staged_adapters[(name, path)] = staged
+        with self._staged_lock:
+            while len(self.staged_adapters) >= MAX_STAGED_ADAPTERS:  # never loaded: oldest go
+                self.staged_adapters.pop(next(iter(self.staged_adapters)))
+            self.staged_adapters[(name, path)] = staged
         logger.info("LoRA adapter %s read ahead of its step in %.2f s", name,
                     time.perf_counter() - t0)
 
