@@ -154,8 +154,8 @@ class Batcher:
         # stream for the reading (a bad one is refused by that step, as without this).
         try:
             await self.group.stage_adapter(adapter, paths[adapter])
-        except Exception as e:  # a rank that died: the steps say so
-            logger.warning("LoRA adapter %s not read ahead: %s", adapter, e)
+        except Exception as e:  # a rank that died, or one too slow: the step reads it
+            logger.warning("LoRA adapter %s not read ahead: %r", adapter, e)
         if adapter in self.engine.adapters:  # loaded by another request meanwhile
             return None
         evicted = self.engine.add_adapter(adapter, paths[adapter], +self.adapters_in_use)

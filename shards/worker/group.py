@@ -331,10 +331,13 @@ class ShardGroup:
             self.shutdown()
             return ShardError(self.error)
 
-    async def stage_adapter(self, name: str, path: str) -> None:
+    async def stage_adapter(self, name: str, path: str, timeout_s: float = 60.0) -> None:
         """Every rank reads the LoRA adapter at `path` beside its steps, so that the step
-        that loads it (the engine's add_adapter) only copies it into place."""
-        await asyncio.gather(*(a.stage_adapter.remote(name, path) for a in self.actors))
+        that loads it (the engine's add_adapter) only copies it into place. TimeoutError
+        past `timeout_s` (the step then reads it itself)."""
+        await asyncio.wait_for(
+            asyncio.gather(*(a.stage_adapter.remote(name, path) for a in self.actors)),
+            timeout_s)
 
     def check_health(self) -> bool:
         """Whether every rank's process is alive, by the GCS: a busy rank is healthy."""

@@ -555,6 +555,9 @@ class ModelRunner:
         engine checked it can be served (shards/checkpoints/adapters.py) and that no
         request of a dropped one is left."""
         if path is None:
+            with self._staged_lock:  # read ahead by a request that came too late
+                for key in [k for k in self.staged_adapters if k[0] == name]:
+                    del self.staged_adapters[key]
             if self.lora is not None and name in self.lora.slots:
                 self.lora.unload(name)
                 logger.info("LoRA adapter %s dropped", name)
