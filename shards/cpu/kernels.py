@@ -6,8 +6,9 @@ The decode attention kernel reads K and V in place through the block table; the 
 backend gathers them into padded tensors first (shards/model/attention.py). A decoder layer's
 RMSNorm and rotary embedding each run in one pass (shards/model/layers.py). They are built with
 torch's C++ extension tooling into a cache directory named after the CPU's instruction
-set (and the checkout), since it is compiled for that CPU (-march=native): nodes that
-share a home directory but not a CPU build their own. Without a compiler the shards use
+set and the sources, since it is compiled for that CPU (-march=native): nodes that share a
+home directory but not a CPU build their own, and a clean clone of built sources reuses
+the build. Without a compiler the shards use
 the torch path and say so once in the log.
 """
 
@@ -19,6 +20,7 @@ import os
 import platform
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -26,19 +28,20 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = sorted(CSRC.glob("*.cpp"))  # one module: csrc/module.cpp registers them all
 FLAGS = ["-O3", "-fopenmp", "-march=native"]
 STALE_LOCK_S = 300
+KEEP_BUILDS = 4
 
 _lock = threading.Lock()
 _module = None
 _error: str | None = None
 
 
-def _cpu_signature() -> str:
-    """What the compiled code depends on: the machine, the CPU's flags, python and torch;
-    and which checkout it came from, so that two checkouts never rebuild one library
-    under each other's running servers."""
+def _signature() -> str:
+    """What the compiled code depends on: the machine, the CPU's flags, python, torch, the
+    compiler flags and the sources' bytes. Checkouts of the same sources share one build (a
+    clean clone builds nothing); changed sources get a directory of their own, so a build
+    never replaces a library that a running server has loaded."""
     import torch
 
     flags = ""
@@ -49,13 +52,46 @@ def _cpu_signature() -> str:
                 break
     except OSError:
         pass
-    text = f"{platform.machine()}|{flags}|{sys.version_info[:2]}|{torch.__version__}|{CSRC}"
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
+    digest = hashlib.sha256(f"{platform.machine()}|{flags}|{sys.version_info[:2]}|"
+                            f"{torch.__version__}|{FLAGS}".encode())
+    for source in _source_files():
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def _source_files() -> list[Path]:
+    return sorted(f for f in CSRC.iterdir() if f.suffix in (".cpp", ".h"))
 
 
 def build_dir() -> Path:
     root = Path(os.environ.get("RAYGEN_KERNEL_CACHE", Path.home() / ".cache" / "raygen"))
-    return root / f"cpu-kernels-{_cpu_signature()}"
+    return root / f"cpu-kernels-{_signature()}"
+
+
+def _staged_sources(directory: Path) -> list[str]:
+    """The sources, copied into the build directory once: torch's ninja file names them by
+    path, and ninja rebuilds when a command changes, so each checkout compiling its own
+    copy would rebuild the shared library."""
+    src = directory / "src"
+    if not src.is_dir():
+        tmp = Path(tempfile.mkdtemp(prefix=".src-", dir=directory))
+        for source in _source_files():
+            shutil.copy2(source, tmp / source.name)
+        try:
+            os.rename(tmp, src)
+        except OSError:  # another process staged the same bytes first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return [str(f) for f in sorted(src.glob("*.cpp"))]
+
+
+def _prune(directory: Path, keep: int = KEEP_BUILDS) -> None:
+    """Drop the builds of older sources beyond the `keep` most recently used. A server that
+    loaded one keeps its mapped library; a build in progress is among the recent ones."""
+    os.utime(directory)
+    builds = sorted(directory.parent.glob("cpu-kernels-*"), key=lambda d: d.stat().st_mtime,
+                    reverse=True)
+    for old in builds[keep:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _put_ninja_on_path() -> None:
@@ -97,9 +133,10 @@ def load():
             directory.mkdir(parents=True, exist_ok=True)
             _clear_stale_lock(directory)
             t0 = time.perf_counter()
-            _module = load_extension("raygen_cpu_kernels", [str(f) for f in SOURCES],
+            _module = load_extension("raygen_cpu_kernels", _staged_sources(directory),
                                      extra_cflags=FLAGS,
                                      extra_ldflags=["-fopenmp"], build_directory=str(directory))
+            _prune(directory)
             logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - t0, directory)
         except Exception as exc:  # no compiler, no ninja, a build error: use the torch path
             last_line = (str(exc).strip().splitlines() or [""])[-1]  # compilers say a lot

@@ -4,7 +4,9 @@ decode kernel against the torch backend."""
 
 from __future__ import annotations
 
+import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -368,9 +370,9 @@ def test_a_kernel_that_does_not_build_leaves_the_torch_path(tmp_path, monkeypatc
     """No compiler, or a build error: `auto` falls back to torch, `cpu` says why."""
     from shards.cpu import kernels as cpu_kernels
 
-    broken = tmp_path / "broken.cpp"
-    broken.write_text("this is not C++\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCES", [broken])
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "csrc" / "broken.cpp").write_text("this is not C++\n")
+    monkeypatch.setattr(cpu_kernels, "CSRC", tmp_path / "csrc")
     monkeypatch.setattr(cpu_kernels, "_module", None)
     monkeypatch.setattr(cpu_kernels, "_error", None)
     monkeypatch.setenv("RAYGEN_KERNEL_CACHE", str(tmp_path / "cache"))
@@ -380,6 +382,39 @@ def test_a_kernel_that_does_not_build_leaves_the_torch_path(tmp_path, monkeypatc
     with pytest.raises(ImportError, match="did not build"):
         select_backend("cpu", torch.device("cpu"), torch.float32)
 
+
+
+def test_checkouts_of_the_same_sources_share_one_build(tmp_path, monkeypatch):
+    """A clean clone reuses the build of the same sources (the commands name the build
+    directory's copy, not the checkout's); a changed byte gets a build of its own; only the
+    most recently used builds are kept."""
+    from shards.cpu import kernels as cpu_kernels
+
+    monkeypatch.setenv("RAYGEN_KERNEL_CACHE", str(tmp_path / "cache"))
+    clones = [tmp_path / "a", tmp_path / "b"]
+    dirs = []
+    for csrc in clones:
+        shutil.copytree(cpu_kernels.CSRC, csrc)
+        monkeypatch.setattr(cpu_kernels, "CSRC", csrc)
+        dirs.append(cpu_kernels.build_dir())
+    assert dirs[0] == dirs[1]
+    header = clones[1] / "ops.h"
+    header.write_text(header.read_text() + "\n// changed\n")
+    assert cpu_kernels.build_dir() != dirs[0]
+
+    monkeypatch.setattr(cpu_kernels, "CSRC", clones[0])
+    dirs[0].mkdir(parents=True)
+    staged = [Path(f) for f in cpu_kernels._staged_sources(dirs[0])]
+    assert {f.parent for f in staged} == {dirs[0] / "src"}
+    assert sorted(f.name for f in staged) == sorted(f.name for f in clones[0].glob("*.cpp"))
+    assert (dirs[0] / "src" / "ops.h").read_bytes() == (clones[0] / "ops.h").read_bytes()
+
+    old = [dirs[0].parent / f"cpu-kernels-old{i}" for i in range(5)]
+    for i, d in enumerate(old):
+        d.mkdir()
+        os.utime(d, (i, i))
+    cpu_kernels._prune(dirs[0], keep=3)
+    assert sorted(dirs[0].parent.iterdir()) == sorted([dirs[0], old[4], old[3]])
 
 
 def test_torch_backend_prefill_takes_sdpa_flash_kernel_on_cpu():
