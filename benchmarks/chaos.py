@@ -47,11 +47,34 @@ def is_replica_of(title: str, deployment: str) -> bool:
     return title.strip().rsplit(":", 1)[-1].split(".", 1)[0] == deployment
 
 
-def server_processes(targets: list[str]) -> list[tuple[str, int]]:
-    """(kind, pid) of this machine's shard actors and batcher replicas, by process title."""
+def parent_pid(pid: int) -> int | None:
+    """The parent of `pid` (/proc), None where it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def descends_from(pid: int, root: int) -> bool:
+    """Whether `root` is `pid` or one of its ancestors: a Ray worker is a child of its
+    node's raylet, which is a child of the process that started that Ray instance."""
+    seen = 0
+    while pid and pid > 1 and seen < 64:
+        if pid == root:
+            return True
+        pid, seen = parent_pid(pid), seen + 1
+    return False
+
+
+def server_processes(targets: list[str], under: int | None = None) -> list[tuple[str, int]]:
+    """(kind, pid) of this machine's shard actors and batcher replicas, by process title;
+    with `under`, only those of the Ray instance that process started (another Ray instance
+    on the machine, a second test lane's, keeps its processes)."""
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
+            continue
+        if under is not None and not descends_from(int(proc.name), under):
             continue
         try:
             title = (proc / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
@@ -111,7 +134,7 @@ async def _await_recovery(client: httpx.AsyncClient, url: str, killed_at: float)
 
 
 async def _kill_now_and_then(client, url, rng, kill_every, max_kills, targets, stop_killing,
-                             kills: list[dict]) -> None:
+                             kills: list[dict], under: int | None) -> None:
     last_kill = time.monotonic()
     while not stop_killing.is_set() and (max_kills is None or len(kills) < max_kills):
         wait = last_kill + rng.uniform(*kill_every) - time.monotonic()
@@ -120,7 +143,7 @@ async def _kill_now_and_then(client, url, rng, kill_every, max_kills, targets, s
             return
         except asyncio.TimeoutError:
             pass
-        victims = server_processes(targets)
+        victims = server_processes(targets, under)
         if not victims:  # between replicas: try again shortly
             last_kill = time.monotonic() - kill_every[0] + 1
             continue
@@ -137,7 +160,7 @@ async def _kill_now_and_then(client, url, rng, kill_every, max_kills, targets, s
 
 async def chaos(url: str, duration: float, concurrency: int,
                 kill_every: tuple[float, float] = (30.0, 60.0), max_kills: int | None = None,
-                targets: list[str] | None = None, seed: int = 0) -> dict:
+                targets: list[str] | None = None, seed: int = 0, under: int | None = None) -> dict:
     rng = random.Random(seed)
     targets = targets or ["shard", "batcher"]
     tally, kills, samples = Tally(), [], []
@@ -155,7 +178,7 @@ async def chaos(url: str, duration: float, concurrency: int,
         health = asyncio.create_task(_watch_health(client, url, stop_health, samples))
         workers = [asyncio.create_task(stream_forever()) for _ in range(concurrency)]
         killer = asyncio.create_task(_kill_now_and_then(
-            client, url, rng, kill_every, max_kills, targets, stop_killing, kills))
+            client, url, rng, kill_every, max_kills, targets, stop_killing, kills, under))
         started = time.monotonic()
         await asyncio.sleep(duration)
         if max_kills is not None:  # a bounded run ends once its kills have recovered

@@ -11,6 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from shards.demo_model import write_demo_model  # noqa: E402
+from tests.lanes import RAY_START_FAILED, RAY_STARTS, start_lock  # noqa: E402
 
 # The tiers (README: Tests). A test is `unit` unless its folder or its module says otherwise:
 # tests/e2e is `e2e` (`serve run` and the official clients); a module that starts Ray in
@@ -45,13 +46,19 @@ def pytest_collection_modifyitems(config, items):
 _unit_running = False
 
 
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
+    """Set-ups that start Ray or Serve apps (a module's fixtures, at its first test) take
+    the lanes' start lock: two lanes starting at once starved Ray's own start (lanes.py)."""
     global _unit_running
     _unit_running = tier_of(item) == "unit"
+    with start_lock(not _unit_running):
+        yield
 
 
 def pytest_configure(config):
-    """A unit test that starts Ray is in the wrong tier: say so instead of starting it."""
+    """A unit test that starts Ray is in the wrong tier: say so instead of starting it. A Ray
+    that did not start for lack of CPU is started again."""
     try:
         import ray
     except ImportError:  # the unit tier needs no Ray (a GPU box with torch alone, say)
@@ -63,7 +70,14 @@ def pytest_configure(config):
         if _unit_running:
             raise RuntimeError("a unit-tier test started Ray: mark its module "
                                "`pytestmark = pytest.mark.integration` (tests/conftest.py)")
-        return init(*args, **kwargs)
+        for start in range(1, RAY_STARTS + 1):
+            try:
+                return init(*args, **kwargs)
+            except Exception as exc:  # Ray's own start, starved (tests/lanes.py): again
+                if start == RAY_STARTS or RAY_START_FAILED not in str(exc):
+                    raise
+            print(f"ray.init: {RAY_START_FAILED}; again")
+            ray.shutdown()
 
     ray.init = guarded_init
 

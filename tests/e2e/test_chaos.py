@@ -63,7 +63,7 @@ def seconds_until_serving(since: float) -> float:
 
 
 def test_shard_sigkill_ends_streams_with_an_error_then_serves_correct_output(server, llama_dir):
-    shards = server_processes(["shard"])
+    shards = server_processes(["shard"], under=server.pid)
     assert len(shards) == 2
     outs = [[] for _ in range(8)]
     started = [threading.Event() for _ in outs]
@@ -91,7 +91,8 @@ def test_shard_sigkill_ends_streams_with_an_error_then_serves_correct_output(ser
         errors += 1
     assert errors >= len(outs) // 2
     assert seconds_until_serving(killed_at) < RECOVERY_LIMIT_S
-    assert {pid for _, pid in server_processes(["shard"])}.isdisjoint(pid for _, pid in shards)
+    after = server_processes(["shard"], server.pid)
+    assert {pid for _, pid in after}.isdisjoint(pid for _, pid in shards)
 
     offline = LLM(llama_dir, num_blocks=256)
     prompts = ["Tona sefi mole dasu", "東京 😀 café"]
@@ -107,7 +108,7 @@ def test_short_chaos_run_loses_nothing(server):
     import asyncio
 
     result = asyncio.run(chaos(BASE, duration=5, concurrency=8, kill_every=(3, 6), max_kills=2,
-                               targets=["shard", "batcher"], seed=11))
+                               targets=["shard", "batcher"], seed=11, under=server.pid))
     assert result["kills"] == 2
     assert succeeded(result), result  # 0 hung, 0 lost, every kill recovered, KV drained
     assert all(s < RECOVERY_LIMIT_S for s in result["recovery_s"]), result

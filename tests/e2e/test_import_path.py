@@ -43,8 +43,8 @@ def server(llama_dir, adapters, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     loras = ",".join(f"{name}={path}" for name, path in adapters.items())
     with serve_run([f"model={llama_dir}", "num_blocks=1024", "served_model_name=m",
-                    f"lora_adapters={loras}"], log):
-        yield log
+                    f"lora_adapters={loras}"], log) as proc:
+        yield proc
 
 
 def test_builder_starts_ray_in_throughput_mode(server):
@@ -55,7 +55,7 @@ def test_builder_starts_ray_in_throughput_mode(server):
     assert listener(8000) == "haproxy"
     assert httpx.get(BASE + "/health", timeout=10).status_code == 200
     for deployment in ("Ingress", "Batcher", "Metrics"):
-        environ = replica_environ(deployment)
+        environ = replica_environ(deployment, server.pid)
         assert {k: environ.get(k) for k in REPLICA_ENV} == REPLICA_ENV, deployment
         assert {k: environ.get(k) for k in THROUGHPUT_MODE_ENV} == THROUGHPUT_MODE_ENV
 

@@ -23,6 +23,7 @@ from tests.e2e.serving import BASE, ROOT, listener, replica_environ, serve_run
 @dataclasses.dataclass
 class Server:
     log: Path  # what `serve run` printed
+    pid: int = 0  # the `serve run` process (its Ray instance's processes descend from it)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,8 @@ def server(llama_dir, tmp_path_factory):
     config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     config["applications"][0]["args"].update(model=str(llama_dir), num_blocks=1024)
     (tmp / "serve_config.yaml").write_text(yaml.safe_dump(config))
-    with serve_run([], server.log, target=str(tmp / "serve_config.yaml")):
+    with serve_run([], server.log, target=str(tmp / "serve_config.yaml")) as proc:
+        server.pid = proc.pid
         yield server
 
 
@@ -57,7 +59,7 @@ def test_replicas_get_throughput_modes_in_process_settings(server):
     from deployments.app import REPLICA_ENV
 
     for deployment in ("Ingress", "Batcher", "Metrics"):
-        environ = replica_environ(deployment)
+        environ = replica_environ(deployment, server.pid)
         assert {k: environ.get(k) for k in REPLICA_ENV} == REPLICA_ENV, deployment
 
 
