@@ -46,13 +46,19 @@ def pytest_collection_modifyitems(config, items):
 _unit_running = False
 
 
+_last_module = None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
-    """Set-ups that start Ray or Serve apps (a module's fixtures, at its first test) take
-    the lanes' start lock: two lanes starting at once starved Ray's own start (lanes.py)."""
-    global _unit_running
+    """A module's first set-up past the unit tier (where its fixtures start Ray, Serve apps
+    or `serve run`) takes the lanes' start lock: two lanes starting at once starved Ray's
+    own start (lanes.py). Later tests of the module reuse those fixtures."""
+    global _unit_running, _last_module
     _unit_running = tier_of(item) == "unit"
-    with start_lock(not _unit_running):
+    first = item.module is not _last_module
+    _last_module = item.module
+    with start_lock(first and not _unit_running):
         yield
 
 
