@@ -56,10 +56,9 @@ prometheus:
 	   --no-install-recommends prometheus) >/dev/null 2>&1; } || \
 	  echo "prometheus not installed: tests/deployments/test_prometheus.py will be skipped"
 
-# Every tier, the README's and CI's command: unit then integration in one pytest, the
-# end-to-end tier in another beside it (tests/lanes.py: most of the suite's time is waiting).
+# Every tier, the unit tier first (tests/conftest.py); the README's and CI's command.
 test: install lint prometheus
-	$(PY) -m tests.lanes
+	$(PY) -m pytest -q -x --durations=15
 
 # The inner loop: no Ray, no `serve run` (engine, model and kernels against transformers).
 test-unit: install

@@ -11,7 +11,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from shards.demo_model import write_demo_model  # noqa: E402
-from tests.lanes import RAY_START_FAILED, RAY_STARTS, start_lock  # noqa: E402
 
 # The tiers (README: Tests). A test is `unit` unless its folder or its module says otherwise:
 # tests/e2e is `e2e` (`serve run` and the official clients); a module that starts Ray in
@@ -46,25 +45,13 @@ def pytest_collection_modifyitems(config, items):
 _unit_running = False
 
 
-_last_module = None
-
-
-@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
-    """A module's first set-up past the unit tier (where its fixtures start Ray, Serve apps
-    or `serve run`) takes the lanes' start lock: two lanes starting at once starved Ray's
-    own start (lanes.py). Later tests of the module reuse those fixtures."""
-    global _unit_running, _last_module
+    global _unit_running
     _unit_running = tier_of(item) == "unit"
-    first = item.module is not _last_module
-    _last_module = item.module
-    with start_lock(first and not _unit_running):
-        yield
 
 
 def pytest_configure(config):
-    """A unit test that starts Ray is in the wrong tier: say so instead of starting it. A Ray
-    that did not start for lack of CPU is started again."""
+    """A unit test that starts Ray is in the wrong tier: say so instead of starting it."""
     try:
         import ray
     except ImportError:  # the unit tier needs no Ray (a GPU box with torch alone, say)
@@ -76,14 +63,7 @@ def pytest_configure(config):
         if _unit_running:
             raise RuntimeError("a unit-tier test started Ray: mark its module "
                                "`pytestmark = pytest.mark.integration` (tests/conftest.py)")
-        for start in range(1, RAY_STARTS + 1):
-            try:
-                return init(*args, **kwargs)
-            except Exception as exc:  # Ray's own start, starved (tests/lanes.py): again
-                if start == RAY_STARTS or RAY_START_FAILED not in str(exc):
-                    raise
-            print(f"ray.init: {RAY_START_FAILED}; again")
-            ray.shutdown()
+        return init(*args, **kwargs)
 
     ray.init = guarded_init
 

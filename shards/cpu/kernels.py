@@ -31,6 +31,8 @@ CSRC = Path(__file__).parent / "csrc"
 FLAGS = ["-O3", "-fopenmp", "-march=native"]
 STALE_LOCK_S = 300
 KEEP_BUILDS = 4
+NAME = "raygen_cpu_kernels"
+BUILT = "built"  # written once a build has succeeded
 
 _lock = threading.Lock()
 _module = None
@@ -84,6 +86,22 @@ def _staged_sources(directory: Path) -> list[str]:
     return [str(f) for f in sorted(src.glob("*.cpp"))]
 
 
+def _import_built(directory: Path):
+    """A finished build of the same sources, imported as it is. torch's builder would run
+    ninja first, and ninja compiles again for another virtualenv: torch's include paths are
+    in the commands. The library finds libtorch among the libraries this process has loaded
+    (it has no rpath), of the same torch version, since the version is in the directory's
+    name."""
+    import importlib.util
+
+    import torch  # noqa: F401  (libtorch and libc10, for the library's links)
+
+    spec = importlib.util.spec_from_file_location(NAME, directory / f"{NAME}.so")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _prune(directory: Path, keep: int = KEEP_BUILDS) -> None:
     """Drop the builds of older sources beyond the `keep` most recently used. A server that
     loaded one keeps its mapped library; a build in progress is among the recent ones."""
@@ -133,9 +151,13 @@ def load():
             directory.mkdir(parents=True, exist_ok=True)
             _clear_stale_lock(directory)
             t0 = time.perf_counter()
-            _module = load_extension("raygen_cpu_kernels", _staged_sources(directory),
-                                     extra_cflags=FLAGS,
-                                     extra_ldflags=["-fopenmp"], build_directory=str(directory))
+            if (directory / BUILT).exists():
+                _module = _import_built(directory)
+            else:
+                _module = load_extension(NAME, _staged_sources(directory), extra_cflags=FLAGS,
+                                         extra_ldflags=["-fopenmp"],
+                                         build_directory=str(directory))
+                (directory / BUILT).touch()
             _prune(directory)
             logger.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - t0, directory)
         except Exception as exc:  # no compiler, no ninja, a build error: use the torch path

@@ -417,6 +417,29 @@ def test_checkouts_of_the_same_sources_share_one_build(tmp_path, monkeypatch):
     assert sorted(dirs[0].parent.iterdir()) == sorted([dirs[0], old[4], old[3]])
 
 
+def test_a_finished_build_is_imported_without_building(tmp_path, monkeypatch, cpu_kernel):
+    """Another checkout's virtualenv finds the build of the same sources finished and
+    imports it: torch's builder (and its ninja, which would compile again for other include
+    paths) is not called."""
+    import torch.utils.cpp_extension as extension
+
+    from shards.cpu import kernels as cpu_kernels
+
+    monkeypatch.setenv("RAYGEN_KERNEL_CACHE", str(tmp_path))
+    built = cpu_kernels.build_dir()
+    built.mkdir(parents=True)
+    shutil.copy(cpu_kernel.__file__, built / f"{cpu_kernels.NAME}.so")
+    (built / cpu_kernels.BUILT).touch()
+    monkeypatch.setattr(extension, "load", lambda *a, **k: pytest.fail("built again"))
+    monkeypatch.setattr(cpu_kernels, "_module", None)
+    monkeypatch.setattr(cpu_kernels, "_error", None)
+    module = cpu_kernels.load()
+    assert module is not None, cpu_kernels.load_error()
+    assert Path(module.__file__).parent == built
+    x = torch.randn(4, 64)
+    assert torch.equal(module.silu_mul(x), cpu_kernel.silu_mul(x))
+
+
 def test_torch_backend_prefill_takes_sdpa_flash_kernel_on_cpu():
     """Prefill chunks reach SDPA's CPU flash kernel, not its math path (which materialises
     the scores and applies masks op by op: a 2,000-token prefill took 2.7x as long;
