@@ -81,7 +81,7 @@ class Batcher:
             prefix, self.replica_id = None, "local"
         self.channels: dict[str, Channel] = {}
         self.ingress_active: dict[str, int] = {}  # generations per ingress channel key
-        self.channel_counts = {"opened": 0, "messages": 0, "outputs": 0}
+        self.channel_counts = {"opened": 0, "messages": 0, "outputs": 0, "tokens": 0}
         self.group = ShardGroup(args.shard_config(), args.tensor_parallel_size,
                                 use_gpu=args.device == "cuda", num_cpus_per_shard=args.shard_cpus,
                                 name_prefix=prefix, compiled_graph=args.uses_compiled_graph)
@@ -96,7 +96,8 @@ class Batcher:
         self._counted = {"prefix_queries": 0, "prefix_hits": 0, "preemptions": 0, "aborted": 0,
                          "draft_tokens": 0, "accepted_tokens": 0}
         self.engine_loop = AsyncEngine(self.engine, self.group.step_async, self._record_step,
-                                       max_steps_in_flight=args.steps_in_flight)
+                                       max_steps_in_flight=args.steps_in_flight,
+                                       interrupt=self.group.cut_short)
         self._record_gauges()
         self._packed: tuple[int, bytes] = (-1, b"")
         self.pusher, self.hub = None, metrics_hub
@@ -231,6 +232,7 @@ class Batcher:
                 batch = channel.take()
                 self.channel_counts["messages"] += 1
                 self.channel_counts["outputs"] += len(batch)
+                self.channel_counts["tokens"] += sum(len(o.token_ids) for o in batch)
                 self.metrics.inc("raygen_output_channel_messages")
                 self.metrics.inc("raygen_output_channel_outputs", len(batch))
                 yield batch
@@ -242,8 +244,11 @@ class Batcher:
     def _record_step(self, scheduled, seconds: float) -> None:
         m = self.metrics
         method = {"method": "prefill" if scheduled.num_prefill_tokens else "decode"}
-        m.inc("tgi_batch_inference_count", tags=method)
-        m.observe("tgi_batch_forward_duration", seconds, tags=method)
+        # A multi-step counts as the forwards it ran, each the mean of their time.
+        forwards = scheduled.step_input.num_steps
+        m.inc("tgi_batch_inference_count", forwards, tags=method)
+        for _ in range(forwards):
+            m.observe("tgi_batch_forward_duration", seconds / forwards, tags=method)
         if scheduled.concat_reason is not None:
             m.inc("tgi_batch_concat", tags={"reason": scheduled.concat_reason})
         self._record_gauges()

@@ -59,6 +59,12 @@ class AppArgs(BaseModel):
         "up to this many draft tokens per decoding request, looked up in its own prompt and "
         "output and checked in the same step (output unchanged; faster where answers copy "
         "their input: edits, summaries, code, RAG). 0: off")
+    num_scheduler_steps: int = Field(
+        default(SchedulerConfig, "num_scheduler_steps"), ge=1, le=64, description="vLLM's "
+        "multi-step decoding: while no request waits to join, the shards run up to this many "
+        "decode steps per message and their tokens stream out together, so the serving "
+        "plane's cost per message is paid once for them (a request arriving cuts them short "
+        "after one step). 1: every token on its own, the most even stream")
     prompt_lookup_min: int = Field(default(SchedulerConfig, "prompt_lookup_min"), ge=1)
     prompt_lookup_max: int = Field(default(SchedulerConfig, "prompt_lookup_max"), ge=1)
     lora_adapters: str | dict[str, str] | None = Field(
@@ -174,6 +180,7 @@ class AppArgs(BaseModel):
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_model_len=max_model_len, speculate=self.speculate,
             prompt_lookup_min=self.prompt_lookup_min, prompt_lookup_max=self.prompt_lookup_max,
+            num_scheduler_steps=self.num_scheduler_steps,
             max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras)
 
     def cache_config(self, num_blocks: int) -> CacheConfig:

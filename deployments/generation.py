@@ -47,7 +47,7 @@ class Generation:
     first_token_time: float | None = None
     last_token_time: float | None = None
     inter_token_latencies: list[float] = field(default_factory=list)
-    # Per output that brought tokens: how many came beyond one (drafts kept, speculation).
+    # Per output that brought tokens: how many of them were drafts kept (speculation).
     skipped_tokens: list[int] = field(default_factory=list)
     end: float | None = None
 
@@ -65,7 +65,7 @@ class Generation:
                 # Tokens arrive grouped per step: spread the wait over them.
                 self.inter_token_latencies += [(now - self.last_token_time) / gaps] * gaps
             self.last_token_time = now
-            self.skipped_tokens.append(len(output.token_ids) - 1)
+            self.skipped_tokens.append(output.accepted_drafts)
         self.token_ids += output.token_ids
         self.token_texts += output.token_texts
         self.logprobs += output.logprobs

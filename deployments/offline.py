@@ -26,8 +26,8 @@ OFFLINE_ARGS = frozenset({
     "waiting_served_ratio", "max_waiting_tokens", "enable_chunked_prefill",
     "enable_prefix_caching", "block_size", "num_blocks", "kv_cache_memory",
     "gpu_memory_utilization", "attention_backend", "cpu_threads", "quant_products", "quantize",
-    "speculate", "prompt_lookup_min", "prompt_lookup_max", "lora_adapters", "max_loras",
-    "max_lora_rank", "max_cpu_loras"})
+    "speculate", "num_scheduler_steps", "prompt_lookup_min", "prompt_lookup_max",
+    "lora_adapters", "max_loras", "max_lora_rank", "max_cpu_loras"})
 
 
 class LLM:
@@ -90,7 +90,8 @@ class LLM:
                      params: SamplingParams | None = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as steps produce them; other streams share the batch."""
         if self._async is None:
-            self._async = AsyncEngine(self.engine, lambda s: asyncio.to_thread(self.runner.step, s))
+            self._async = AsyncEngine(self.engine, lambda s: asyncio.to_thread(self.runner.step, s),
+                                      interrupt=self.runner.cut_short)
         async for output in self._async.generate(f"stream-{next(self._ids)}", self.encode(prompt),
                                                  params or SamplingParams()):
             yield output

@@ -8,7 +8,12 @@ request, which frees its blocks before the next step.
 With `max_steps_in_flight=2` (async scheduling) the next step is scheduled and started
 while the current one runs, so the shards go from one forward to the next without waiting
 for the batcher to apply results. That needs a worker that runs steps in the order they
-were started (a Ray actor does; a thread pool would not)."""
+were started (a Ray actor does; a thread pool would not).
+
+A multi-step (the scheduler's num_scheduler_steps) runs several decode steps in one call;
+a request that arrives while one is in flight calls `interrupt`, which asks the worker to
+cut it short after the step it is in, so that the newcomer waits at most one step more
+for its prefill."""
 
 from __future__ import annotations
 
@@ -38,13 +43,15 @@ _Step = tuple[SchedulerOutput, asyncio.Future, float]
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, run_step: StepFn, on_step: StepHook | None = None,
-                 max_steps_in_flight: int = 1):
+                 max_steps_in_flight: int = 1, interrupt: Callable[[], object] | None = None):
         if max_steps_in_flight not in (1, 2):
             raise ValueError("max_steps_in_flight must be 1 or 2")
         self.engine = engine
         self.run_step = run_step
         self.on_step = on_step
         self.max_steps_in_flight = max_steps_in_flight
+        self.interrupt = interrupt
+        self._steps: deque[_Step] = deque()  # in flight, oldest first
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -77,6 +84,9 @@ class AsyncEngine:
         try:
             self.engine.add_request(request_id, prompt_token_ids, params)
             self._wakeup.set()
+            if self.interrupt is not None and any(
+                    step[0].step_input.num_steps > 1 for step in self._steps):
+                self.interrupt()
             while not finished:
                 if get is None:
                     get = asyncio.ensure_future(queue.get())
@@ -143,7 +153,7 @@ class AsyncEngine:
         # forward instead of sitting between two forwards. Aborts and new requests land
         # between schedules; blocks freed while a step that wrote them is in flight are
         # reused only by later steps, which the shards run after it.
-        steps: deque[_Step] = deque()
+        steps = self._steps = deque()
         done = 0.0  # when the last step's result arrived
         while True:
             try:
@@ -156,8 +166,9 @@ class AsyncEngine:
                     if not steps:
                         await asyncio.sleep(0.001)
                         continue
-                scheduled, running, started = steps.popleft()
+                scheduled, running, started = steps[0]
                 output = await running
+                steps.popleft()
                 # A step started while another ran began when that one ended.
                 began, done = max(started, done), time.perf_counter()
                 if self.on_step is not None:

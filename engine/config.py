@@ -45,6 +45,13 @@ class SchedulerConfig:
     # Drafts fill a step up to this many rows, the running requests' own rows included
     # (benchmarks/NOTES.md 60): none at all from this many running requests up.
     speculate_max_rows: int = 16
+    # Multi-step decoding (vLLM's num_scheduler_steps): while every running request decodes
+    # and none waits to join, one message to the shards runs up to this many decode steps,
+    # each fed the tokens the one before it drew, and their tokens come back together. The
+    # serving plane's cost per message (Ray's call, the batcher's bookkeeping, a stream
+    # item to the ingress and the client) is paid once for them all. A request that
+    # arrives meanwhile cuts the steps short (AsyncEngine's `interrupt`).
+    num_scheduler_steps: int = 4
     # LoRA: the most adapters whose requests run in one step (vLLM's max_loras); a
     # request of another adapter waits until one of them has no request left running.
     max_loras: int = 4
@@ -62,6 +69,8 @@ class SchedulerConfig:
             raise ValueError("waiting_served_ratio and max_waiting_tokens must be >= 0")
         if self.max_loras < 1:
             raise ValueError("max_loras must be >= 1")
+        if self.num_scheduler_steps < 1:
+            raise ValueError("num_scheduler_steps must be >= 1")
         if self.speculate < 0:
             raise ValueError("speculate must be >= 0")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -146,13 +146,16 @@ class LLMEngine:
                 results.append(RequestOutput(request_id, finished=True,
                                              finish_reason=FinishReason.ERROR, error=error,
                                              num_prompt_tokens=request.num_prompt_tokens))
+        drafts = scheduled.step_input.draft_token_ids
         for request, rows in self.scheduler.update(scheduled, output):
-            results.append(self._make_output(request, output, rows))
+            results.append(self._make_output(request, output, rows,
+                                             request.request_id in drafts))
         return results
 
-    def _make_output(self, request: Request, output: StepOutput, rows: list[int]) -> RequestOutput:
-        """The step's tokens for one request (several where its drafts were kept); a stop
-        string found in one drops the tokens after it."""
+    def _make_output(self, request: Request, output: StepOutput, rows: list[int],
+                     drafted: bool = False) -> RequestOutput:
+        """The step's tokens for one request (several where its drafts were kept, or in a
+        multi-step); a stop string found in one drops the tokens after it."""
         state = self._states[request.request_id]
         token_ids, pieces = [], []
         finished = request.is_finished  # at its last row (eos, stop token, length)
@@ -182,6 +185,7 @@ class LLMEngine:
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
+            accepted_drafts=len(token_ids) - 1 if drafted else 0,
         )
         if not state.first_sent:
             state.first_sent = True

@@ -45,6 +45,11 @@ class StepInput:
     # LoRA adapters to load ((name, path)) or drop ((name, None)), in order, before the
     # step's requests are read: every rank changes its adapters at the same point.
     adapter_changes: list[tuple[str, str | None]] = field(default_factory=list)
+    # Above 1, a multi-step: every request decodes, in up to this many steps one after
+    # another (its scheduled tokens: how many it takes part in), each step fed the tokens
+    # the one before it drew. A rank stops a request's steps at its end-of-sequence or stop
+    # token, and rank 0 may cut them all short (ModelRunner.cut_short).
+    num_steps: int = 1
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -55,7 +60,8 @@ class StepInput:
 class StepOutput:
     """Rank 0's result: one sampled token per request that reached its last token; a
     request that drafted has one row per token it keeps (its kept drafts, then the token
-    drawn after them), in order."""
+    drawn after them), in order; a multi-step's rows come step after step, each request's
+    in order."""
 
     request_ids: list[str]
     token_ids: list[int]

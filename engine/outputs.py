@@ -25,6 +25,9 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None
     # Set once, on the first output: seconds from arrival to first scheduled.
     queue_time: float | None = None
+    # Of token_ids, how many were speculation's drafts, checked and kept (the rest are the
+    # request's own: one a step).
+    accepted_drafts: int = 0
 
 
 @dataclass(slots=True)

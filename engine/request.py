@@ -50,6 +50,10 @@ class Request:
     # Drafts computed by the step in flight (speculation: its n-gram index and record).
     num_draft_tokens: int = 0
     speculation: SpeculationState | None = None
+    # Tokens the multi-step in flight computes (num_scheduler_steps; 0: none): until it
+    # returns the request is not scheduled again, since a request that arrives may cut it
+    # short, which leaves its next position unknown until then.
+    num_step_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     first_scheduled_time: float | None = None

@@ -164,7 +164,10 @@ class Scheduler:
             self.steps_since_admission + 1)
         num_drafted = sum(map(len, drafts.values()))  # decode rows, not prompt tokens
         num_prefill = self.config.max_batch_prefill_tokens - budget - reserved - num_drafted
-        step_input, sampling_ids = self._make_step_input(scheduled, drafts)
+        num_steps = 1
+        if not (num_prefill or num_admitted or drafts or preempted or self.waiting):
+            num_steps = self._multi_step(scheduled)
+        step_input, sampling_ids = self._make_step_input(scheduled, drafts, num_steps)
         return SchedulerOutput(
             step_input, num_prefill, num_decode, num_admitted, preempted,
             concat_reason=concat_reason if had_running and num_admitted else None,
@@ -175,7 +178,8 @@ class Scheduler:
         catching up, 0 when its last sample is in flight and it may not grow, or when it
         speculates (its next positions are known once that step returns)."""
         if request.num_placeholders and (not self._may_grow(request)
-                                         or self._speculates(request)):
+                                         or self._speculates(request)
+                                         or request.num_step_tokens):
             return 0
         return request.num_tokens + request.num_placeholders - request.num_computed_tokens
 
@@ -222,6 +226,48 @@ class Scheduler:
         left = min(request.params.max_new_tokens - request.num_output_tokens,
                    self.config.max_model_len - request.num_tokens) - 1
         return spec.propose(request.token_ids, min(self.config.speculate, most, left))
+
+    # -- multi-step ----------------------------------------------------------------
+    def _multi_step(self, scheduled: dict[str, int]) -> int:
+        """Make a step of plain decodes (nothing waits, nothing prefills or drafts) a
+        multi-step of up to num_scheduler_steps: each request takes part in as many steps
+        as its length limits leave, if the KV cache has blocks for all of them. Returns the
+        step's number of steps (1: it stays one step)."""
+        most = self.config.num_scheduler_steps
+        if most == 1 or not scheduled:
+            return 1
+        steps: dict[str, int] = {}
+        for request_id in scheduled:
+            request = self.requests[request_id]
+            if request.params.grammar is not None:  # its matcher advances a token a step
+                return 1
+            pending = request.num_tokens + request.num_placeholders
+            left = min(request.params.max_new_tokens - (pending - request.num_prompt_tokens),
+                       self.config.max_model_len - pending)
+            steps[request_id] = max(1, min(most, left))
+        bm = self.block_manager
+        needed = sum(bm.num_blocks_to_allocate(r, self.requests[r].num_computed_tokens + n)
+                     for r, n in steps.items())
+        if max(steps.values()) == 1 or needed > bm.num_free_blocks:
+            return 1
+        for request_id, n in steps.items():
+            bm.allocate(request_id, self.requests[request_id].num_computed_tokens + n)
+            scheduled[request_id] = n
+        return max(steps.values())
+
+    def _settle_steps(self, scheduled: dict[str, int], output: StepOutput | None) -> None:
+        """After a multi-step: a request still running that took part in fewer steps
+        than scheduled (they were cut short) computes again from where it stopped."""
+        rows = dict.fromkeys(scheduled, 0)
+        for request_id in output.request_ids if output else ():
+            if request_id in rows:
+                rows[request_id] += 1
+        for request_id, n in scheduled.items():
+            request = self.requests.get(request_id)
+            if request is None or request.num_step_tokens == 0:
+                continue  # ended (its blocks are freed), or preempted since
+            request.num_step_tokens = 0
+            request.num_computed_tokens -= n - rows[request_id]
 
     def _may_grow(self, request: Request) -> bool:
         """Whether a request may sample past the tokens it has and those in flight."""
@@ -302,7 +348,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.on_shards, request.num_sent_blocks = False, 0
-        request.num_draft_tokens = 0
+        request.num_draft_tokens = request.num_step_tokens = 0
         request.num_preemptions += 1
         self.stats.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -323,13 +369,14 @@ class Scheduler:
                                          self.adapter_changes[ready:])
         return changes
 
-    def _make_step_input(self, scheduled: dict[str, int], drafts: dict[str, list[int]]
-                         ) -> tuple[StepInput, list[str]]:
+    def _make_step_input(self, scheduled: dict[str, int], drafts: dict[str, list[int]],
+                         num_steps: int = 1) -> tuple[StepInput, list[str]]:
         new, cached, sampling = [], [], []
         for request_id, num_new in scheduled.items():
             request = self.requests[request_id]
             end = request.num_computed_tokens + num_new
-            num_drafts = len(drafts.get(request_id, ()))
+            # The tokens computed after its next one: drafts, or a multi-step's later steps.
+            num_drafts = len(drafts.get(request_id, ())) if num_steps == 1 else num_new - 1
             # Name only blocks whose tokens are known (a placeholder's are not yet).
             self.block_manager.cache_full_blocks(request_id, request.token_ids,
                                                  min(end, request.num_tokens),
@@ -348,7 +395,10 @@ class Scheduler:
             # Reaches its end: samples (drafts are checked, and the token after them drawn).
             if end - num_drafts == request.num_tokens + request.num_placeholders:
                 request.num_placeholders += 1
-                request.num_draft_tokens = num_drafts
+                if num_steps == 1:
+                    request.num_draft_tokens = num_drafts
+                else:
+                    request.num_step_tokens = num_new
                 sampling.append(request_id)
             request.num_computed_tokens = end
             if request.first_scheduled_time is None:
@@ -356,7 +406,7 @@ class Scheduler:
         freed, self.freed_ids = self.freed_ids, []
         self.stats.num_steps += 1
         return StepInput(new, cached, dict(scheduled), freed, drafts,
-                         self._adapter_changes()), sampling
+                         self._adapter_changes(), num_steps), sampling
 
     # -- results -------------------------------------------------------------------
     def update(self, scheduled: SchedulerOutput, output: StepOutput | None
@@ -385,6 +435,8 @@ class Scheduler:
         drafts = scheduled.step_input.draft_token_ids
         if drafts and output is not None:
             self._settle_drafts(drafts, output)
+        if scheduled.step_input.num_steps > 1:
+            self._settle_steps(scheduled.step_input.num_scheduled_tokens, output)
         return list(updated.values())
 
     def _settle_drafts(self, drafts: dict[str, list[int]], output: StepOutput) -> None:

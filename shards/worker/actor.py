@@ -219,6 +219,12 @@ class ShardActor:
         on the actor's default thread, beside the steps on the torch thread."""
         self.runner.stage_adapter(name, path)
 
+    def cut_short(self) -> None:
+        """End the multi-step this rank runs after its current step (ModelRunner.cut_short):
+        on the actor's default thread, beside the step on the torch thread."""
+        if self.runner is not None:
+            self.runner.cut_short()
+
     def unpark(self) -> None:
         """End the Park step this rank waits in (an actor call, so it runs on the actor's
         default thread while the compiled graph's loop holds its own)."""

@@ -331,6 +331,12 @@ class ShardGroup:
             self.shutdown()
             return ShardError(self.error)
 
+    def cut_short(self) -> None:
+        """Ask the multi-step in flight to end after its current step: rank 0 decides for
+        every rank. Not waited on: a late cut only shortens the next multi-step."""
+        if self.healthy:
+            self.actors[0].cut_short.remote()
+
     async def stage_adapter(self, name: str, path: str, timeout_s: float = 60.0) -> None:
         """Every rank reads the LoRA adapter at `path` beside its steps, so that the step
         that loads it (the engine's add_adapter) only copies it into place. TimeoutError

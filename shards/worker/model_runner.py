@@ -235,6 +235,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.seqs: dict[str, _Seq] = {}
+        self._cut = threading.Event()  # cut_short's: rank 0 ends its multi-step early
         # Rank 0 samples, so it alone keeps the grammar matchers.
         self.grammars = Grammars(config.model, self.model_config.vocab_size) \
             if tp.rank == 0 else None
@@ -439,8 +440,68 @@ class ModelRunner:
     # -- the step ------------------------------------------------------------------
     def step(self, step: StepInput) -> StepOutput | None:
         self._apply_diff(step)
+        if step.num_steps > 1:
+            return self._multi_step(step)
+        self._cut.clear()  # a cut asked for before this step: this step takes it in
+        return self._forward(step.num_scheduled_tokens, step.draft_token_ids)
+
+    def cut_short(self) -> None:
+        """Ask the multi-step running (or the next one) to stop after its current step: a
+        request arrived that should not wait for the rest. Rank 0's decides for all ranks;
+        called from another thread than the steps'."""
+        self._cut.set()
+
+    def _multi_step(self, step: StepInput) -> StepOutput | None:
+        """Decode steps one after another, each fed the tokens the one before it drew; a
+        request drops out after its scheduled number of them or once it draws its
+        end-of-sequence or a stop token (which every rank sees, rank 0 having broadcast
+        it). Rows come back step after step."""
+        left = dict(step.num_scheduled_tokens)
+        outputs: list[StepOutput] = []
+        for i in range(step.num_steps):
+            batch = dict.fromkeys((r for r, n in left.items() if n > i), 1)
+            if not batch:
+                break
+            output = self._forward(batch, {})
+            if output is not None:
+                outputs.append(output)
+            for request_id in batch:
+                seq = self.seqs[request_id]
+                if self._ends(seq, seq.token_ids[-1]):
+                    left[request_id] = 0
+            if i + 1 < step.num_steps and self._cut_now():
+                break
+        if self.tp.rank != 0:
+            return None
+        return StepOutput([r for o in outputs for r in o.request_ids],
+                          [t for o in outputs for t in o.token_ids],
+                          [lp for o in outputs for lp in o.logprobs],
+                          [top for o in outputs for top in o.top_logprobs],
+                          errors={r: e for o in outputs for r, e in o.errors.items()})
+
+    def _ends(self, seq: _Seq, token_id: int) -> bool:
+        params = seq.params
+        return (token_id in params.stop_token_ids
+                or (not params.ignore_eos and token_id in self.model_config.eos_token_ids))
+
+    def _cut_now(self) -> bool:
+        """Whether rank 0 was asked to cut the multi-step short (then no longer asked);
+        every rank gets its answer."""
+        cut = self.tp.rank == 0 and self._cut.is_set()
+        if cut:
+            self._cut.clear()
+        if self.tp.world_size > 1:
+            flag = torch.tensor([int(cut)], dtype=torch.long, device=self.device)
+            dist.broadcast(flag, src=0)
+            cut = bool(flag.item())
+        return cut
+
+    def _forward(self, num_scheduled_tokens: dict[str, int],
+                 draft_token_ids: dict[str, list[int]]) -> StepOutput | None:
+        """One forward over the requests' scheduled tokens (each request's mirror says
+        where they start), sampling where a request reaches its last token."""
         # Decodes first: the attention backend handles them as one batched call.
-        order = sorted(step.num_scheduled_tokens, key=lambda r: step.num_scheduled_tokens[r] != 1)
+        order = sorted(num_scheduled_tokens, key=lambda r: num_scheduled_tokens[r] != 1)
         lora_runs: list[tuple[int, int, int]] = []  # (adapter slot, first row, end row)
         input_ids, positions, slots = [], [], []
         decodes, prefills = [], []
@@ -450,8 +511,8 @@ class ModelRunner:
         block_size = self.config.block_size
         for request_id in order:
             seq = self.seqs[request_id]
-            n = step.num_scheduled_tokens[request_id]
-            draft = step.draft_token_ids.get(request_id, [])
+            n = num_scheduled_tokens[request_id]
+            draft = draft_token_ids.get(request_id, [])
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             row0 = len(input_ids)
             if seq.lora_slot:

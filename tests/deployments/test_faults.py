@@ -145,7 +145,7 @@ def test_the_client_whose_request_started_the_step_loop_leaving_fails_no_one_els
     assert s["aborted"] >= 1  # the first client's request, ended by its leaving
     # B's outputs came through the output channel that the first client's request opened:
     # that channel too outlives the request whose call happened to open it.
-    assert s["output_channels"]["outputs"] >= 8, s["output_channels"]
+    assert s["output_channels"]["tokens"] >= 8, s["output_channels"]
 
 
 def generate_all(prompts: list[str], max_new_tokens: int) -> list[list[int]]:
@@ -181,7 +181,7 @@ def test_a_steps_outputs_cross_to_the_ingress_in_one_message(apps, offline):
     assert got == [e.token_ids for e in expected]
     outputs = after["outputs"] - before["outputs"]
     messages = after["messages"] - before["messages"]
-    assert outputs == sum(len(ids) for ids in got)  # a token a step each: all came this way
+    assert after["tokens"] - before["tokens"] == sum(len(ids) for ids in got)  # all this way
     assert messages * 4 <= outputs, (messages, outputs)  # 16 at once: many per message
 
 
@@ -195,7 +195,7 @@ def test_an_idle_channel_ends_and_the_next_generation_opens_it_again(apps, offli
     got = generate_all(["mole sefi dasu"], 12)
     expected = offline.generate(["mole sefi dasu"], SamplingParams(max_new_tokens=12))[0]
     assert got == [expected.token_ids]
-    assert stats("faults")["output_channels"]["outputs"] - reopened["outputs"] == len(got[0])
+    assert stats("faults")["output_channels"]["tokens"] - reopened["tokens"] == len(got[0])
 
 
 def test_kv_exhaustion_preempts_and_everything_finishes_correctly(apps, offline):

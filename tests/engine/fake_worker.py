@@ -19,6 +19,9 @@ class FakeWorker:
         self.seqs: dict[str, dict] = {}
         self.steps: list[StepInput] = []
         self.num_sampled = 0
+        # Multi-steps cut short, in turn: each stops after this many of its steps (as a
+        # shard asked to by ModelRunner.cut_short).
+        self.cuts: list[int] = []
 
     def step(self, step: StepInput) -> StepOutput:
         self.steps.append(step)
@@ -33,6 +36,8 @@ class FakeWorker:
             seq = self.seqs[cached.request_id]
             assert seq["computed"] == cached.num_computed_tokens, "mirror out of step"
             seq["blocks"].extend(cached.new_block_ids)
+        if step.num_steps > 1:
+            return self._multi_step(step)
         ids, tokens = [], []
         for rid, n in step.num_scheduled_tokens.items():
             seq = self.seqs[rid]
@@ -50,5 +55,25 @@ class FakeWorker:
                         break
                 if draft:  # positions past the last kept draft are computed again
                     seq["computed"] = len(seq["tokens"]) - 1
+        self.num_sampled += len(ids)
+        return StepOutput(ids, tokens, [0.0] * len(ids), [])
+
+    def _multi_step(self, step: StepInput) -> StepOutput:
+        """Decode steps in turn, rows step after step; each request takes part in its
+        scheduled number of them."""
+        assert not step.draft_token_ids and not step.new_requests
+        ids, tokens = [], []
+        stop_after = self.cuts.pop(0) if self.cuts else step.num_steps
+        for i in range(min(step.num_steps, stop_after)):
+            for rid, n in step.num_scheduled_tokens.items():
+                if n <= i:
+                    continue
+                seq = self.seqs[rid]
+                assert seq["computed"] == len(seq["tokens"]) - 1, "a multi-step row not decoding"
+                seq["computed"] += 1
+                assert len(seq["blocks"]) * self.block_size >= seq["computed"], "no blocks"
+                ids.append(rid)
+                tokens.append(self.model(seq["tokens"]))
+                seq["tokens"].append(tokens[-1])
         self.num_sampled += len(ids)
         return StepOutput(ids, tokens, [0.0] * len(ids), [])

@@ -183,12 +183,15 @@ class InOrderWorker:
             self.started -= 1
 
 
-def run_mix(max_steps_in_flight: int):
+def run_mix(max_steps_in_flight: int, num_scheduler_steps: int = 1, cuts=()):
     """Requests that end every way (EOS, a stop string, length), on a cache small enough
     to preempt, one stream aborted early."""
     async def main():
         worker = FakeWorker(block_size=4)
-        engine = LLMEngine(SchedulerConfig(max_model_len=1024), CacheConfig(4, 14),
+        worker.cuts = list(cuts)
+        engine = LLMEngine(SchedulerConfig(max_model_len=1024,
+                                           num_scheduler_steps=num_scheduler_steps),
+                           CacheConfig(4, 14),
                            LetterTokenizer(), frozenset({37}), worker)
         runner = InOrderWorker(worker)
         ae = AsyncEngine(engine, runner.run_step, max_steps_in_flight=max_steps_in_flight)
@@ -246,3 +249,59 @@ def test_async_engine_refuses_a_pipeline_it_cannot_keep():
     engine, worker = make()
     with pytest.raises(ValueError, match="max_steps_in_flight"):
         AsyncEngine(engine, worker.step, max_steps_in_flight=3)
+
+
+def test_multi_steps_give_what_one_step_at_a_time_gives():
+    """Multi-steps, some cut short, beside async scheduling, preemption, every way to end
+    and an abort: the same tokens and ends."""
+    sync, _, _ = run_mix(1)
+    multi, engine, _ = run_mix(2, num_scheduler_steps=4, cuts=[1, 2, 4, 3, 1])
+    assert multi == sync
+    assert engine.scheduler.stats.num_steps < run_mix(2)[1].scheduler.stats.num_steps
+    assert not engine.has_unfinished_requests()
+    assert engine.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_request_arriving_cuts_the_multi_step_in_flight_short():
+    """The newcomer's prefill is the step right after the multi-step's current one."""
+    async def main():
+        worker = FakeWorker(block_size=4)
+        engine = LLMEngine(SchedulerConfig(max_model_len=1024, num_scheduler_steps=8),
+                           CacheConfig(4, 256), LetterTokenizer(), frozenset(), worker)
+        started, proceed = asyncio.Event(), asyncio.Event()
+        interrupts = []
+
+        async def run_step(step_input):
+            if step_input.num_steps > 1 and not proceed.is_set():
+                started.set()
+                await proceed.wait()
+            return worker.step(step_input)
+
+        def interrupt():  # as the shard is told to: stop after the step it is in
+            interrupts.append(len(worker.steps))
+            worker.cuts.append(1)
+
+        ae = AsyncEngine(engine, run_step, max_steps_in_flight=2, interrupt=interrupt)
+
+        async def outputs(rid, prompt, n):
+            params = SamplingParams(max_new_tokens=n)
+            return [o.token_ids async for o in ae.generate(rid, prompt, params)]
+
+        first = asyncio.ensure_future(outputs("a", [11, 12], 30))
+        await asyncio.wait_for(started.wait(), 5)
+        late = asyncio.ensure_future(outputs("b", [13, 14, 15], 5))
+        for _ in range(100):
+            if interrupts:
+                break
+            await asyncio.sleep(0)
+        proceed.set()
+        return await first, await late, worker.steps, interrupts
+
+    a, b, steps, interrupts = asyncio.run(main())
+    assert len(interrupts) == 1
+    multi = next(i for i, st in enumerate(steps) if st.num_steps > 1)
+    assert [len(tokens) for tokens in a[:2]] == [1, 1]  # the prefill's, the cut multi-step's
+    assert [r.request_id for r in steps[multi + 1].new_requests] == ["b"]
+    assert [t for tokens in a for t in tokens] == expected_tokens([11, 12], 30)
+    assert [t for tokens in b for t in tokens] == expected_tokens([13, 14, 15], 5)
+    assert max(map(len, a)) == 8  # with b gone, multi-steps again

@@ -139,23 +139,23 @@ def test_decode_out_of_blocks_preempts_newest_and_recomputes():
     s, w = make(num_blocks=6, block_size=4)  # 24 slots
     s.add_request(req("old", n=7, max_new=12))
     s.add_request(req("new", n=7, max_new=12))
-    outputs: dict[str, list[int]] = {"old": [], "new": []}
+    outputs: dict[str, list[int]] = {}
     preempted = []
     while s.has_unfinished_requests():
         out, updated = step(s, w)
         preempted += out.preempted_ids
         for r in updated:
-            outputs[r.request_id].append(r.token_ids[-1])
+            outputs[r.request_id] = r.output_token_ids
     assert preempted and preempted[0] == "new"
     # Recompute gives the same tokens as an unconstrained run.
     s2, w2 = make(num_blocks=64)
     s2.add_request(req("old", n=7, max_new=12))
     s2.add_request(req("new", n=7, max_new=12))
-    expected: dict[str, list[int]] = {"old": [], "new": []}
+    expected: dict[str, list[int]] = {}
     while s2.has_unfinished_requests():
         for r in step(s2, w2)[1]:
-            expected[r.request_id].append(r.token_ids[-1])
-    assert outputs == expected
+            expected[r.request_id] = r.output_token_ids
+    assert outputs == expected and len(expected["old"]) == 12
     assert s.block_manager.num_used_blocks == 0
 
 
@@ -204,3 +204,82 @@ def test_max_batch_total_tokens_caps_the_cache():
     s, _ = make(num_blocks=64, block_size=4, max_batch_total_tokens=40)
     assert s.block_manager.num_blocks == 10
     assert s.max_batch_total_tokens == 40
+
+
+def run_to_end(s: Scheduler, w: FakeWorker, limit: int = 500) -> list:
+    outs = []
+    for _ in range(limit):
+        if not s.has_unfinished_requests():
+            return outs
+        outs.append(step(s, w)[0])
+    raise AssertionError("requests never finished")
+
+
+def test_multi_step_decodes_in_one_message_what_single_steps_decode():
+    """num_scheduler_steps: once nothing waits or prefills, one step carries several
+    decode steps per request, each request's count capped by its length limit; the
+    tokens equal one step at a time's."""
+    results = {}
+    for k in (1, 4):
+        s, w = make(num_scheduler_steps=k, max_model_len=30)
+        for i, (n, max_new) in enumerate([(5, 11), (6, 3), (22, 50)]):  # r2: max_model_len
+            s.add_request(req(f"r{i}", n=n, max_new=max_new))
+        outs = run_to_end(s, w)
+        results[k] = ({rid: seq["tokens"] for rid, seq in w.seqs.items()}, len(outs), outs)
+        assert s.block_manager.num_used_blocks == 0
+    (single, single_steps, _), (multi, multi_steps, outs) = results[1], results[4]
+    assert multi == single
+    assert multi_steps < single_steps
+    first = outs[0].step_input
+    assert first.num_steps == 1 and len(first.new_requests) == 3  # prefills: one step
+    second = outs[1].step_input
+    # r0 has 10 tokens left, r1 2, r2 its context's last 7 (30 - 22 - the one sampled)
+    assert second.num_steps == 4
+    assert second.num_scheduled_tokens == {"r0": 4, "r1": 2, "r2": 4}
+
+
+def test_multi_step_waits_for_newcomers_and_grammars():
+    s, w = make(num_scheduler_steps=4)
+    s.add_request(req("a"))
+    step(s, w)
+    s.add_request(req("b"))  # waiting: this step admits it, one step
+    out, _ = step(s, w)
+    assert out.step_input.num_steps == 1 and out.num_admitted == 1
+    out, _ = step(s, w)
+    assert out.step_input.num_steps == 4
+    s.add_request(req("g", grammar=("regex", "[a-z]+")))
+    step(s, w)
+    out, _ = step(s, w)  # a grammar's matcher takes a token at a time
+    assert out.step_input.num_steps == 1 and len(out.step_input.num_scheduled_tokens) == 3
+
+
+def test_multi_step_cut_short_computes_again_from_where_it_stopped():
+    s, w = make(num_scheduler_steps=6)
+    s.add_request(req("a", max_new=20))
+    s.add_request(req("b", max_new=20))
+    step(s, w)
+    w.cuts = [1, 3]  # the next two multi-steps end after 1 and 3 of their 6 steps
+    out, _ = step(s, w)
+    assert out.step_input.num_steps == 6
+    for rid in "ab":
+        request = s.requests[rid]
+        assert request.num_output_tokens == 2 and request.num_computed_tokens == 5 + 1
+    out, _ = step(s, w)  # the mirror agrees (FakeWorker checks each diff)
+    assert out.step_input.num_scheduled_tokens == {"a": 6, "b": 6}
+    run_to_end(s, w)
+    expected = [11 + i % 50 for i in range(5)]
+    for _ in range(20):
+        expected.append(next_token(expected))
+    assert w.seqs["a"]["tokens"][:25] == expected
+
+
+def test_multi_step_needs_blocks_for_all_its_steps():
+    """A multi-step takes the blocks of all its steps, or stays one step (never preempts
+    for them)."""
+    for num_blocks, num_steps in ((3, 8), (2, 1)):
+        s, w = make(num_blocks=num_blocks, block_size=4, num_scheduler_steps=8)
+        s.add_request(req("a", n=4, max_new=30))
+        step(s, w)  # the prompt's 4 slots: 1 block
+        out, _ = step(s, w)  # 8 steps from slot 4 need 12 slots: 3 blocks
+        assert out.step_input.num_steps == num_steps and out.preempted_ids == []
+        assert s.requests["a"].num_output_tokens == 1 + num_steps

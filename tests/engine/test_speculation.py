@@ -27,7 +27,9 @@ def copying_model(tokens: list[int]) -> int:
 
 def run(speculate: int, prompts: list[list[int]], num_blocks: int = 64, max_new: int = 40,
         **knobs) -> tuple[dict[str, list[int]], Scheduler, int]:
-    config = SchedulerConfig(max_model_len=1024, speculate=speculate, **knobs)
+    # One step at a time unless asked: drafts are measured against plain decoding's steps.
+    config = SchedulerConfig(max_model_len=1024, speculate=speculate,
+                             **{"num_scheduler_steps": 1, **knobs})
     s = Scheduler(config, CacheConfig(4, num_blocks), frozenset({EOS}))
     w = FakeWorker(4, copying_model)
     for i, prompt in enumerate(prompts):
@@ -147,7 +149,8 @@ def test_with_two_steps_in_flight_only_as_many_wait_as_the_next_step_has_drafts_
     one request of 4 drafts at a time); the others decode on, overlapped. Output is the
     same as one step at a time without drafts."""
     plain, _, _ = run(0, PROMPTS)
-    config = SchedulerConfig(max_model_len=1024, speculate=4, speculate_max_rows=6)
+    config = SchedulerConfig(max_model_len=1024, speculate=4, speculate_max_rows=6,
+                             num_scheduler_steps=1)
     s = Scheduler(config, CacheConfig(4, 64), frozenset({EOS}))
     w = FakeWorker(4, copying_model)
     for i, prompt in enumerate(PROMPTS):

@@ -31,30 +31,32 @@ def llm():
 
 
 @contextlib.contextmanager
-def without_drafts(llm):
-    """The same engine and weights with speculation off, for the reference run."""
+def configured(llm, **changes):
+    """The same engine and weights with scheduler settings changed for one run."""
     scheduler = llm.engine.scheduler
     config = scheduler.config
-    scheduler.config = dataclasses.replace(config, speculate=0)
+    scheduler.config = dataclasses.replace(config, **changes)
     try:
         yield
     finally:
         scheduler.config = config
 
 
-def generate(llm, params, prompts=PROMPTS, drafts=True):
+def generate(llm, params, prompts=PROMPTS, drafts=True, **changes):
+    """The reference run has speculation off; runs with multi-steps unless `changes`
+    say otherwise."""
     stats = llm.engine.scheduler.stats
     before = (stats.num_steps, stats.num_draft_tokens, stats.num_accepted_tokens)
-    with contextlib.nullcontext() if drafts else without_drafts(llm):
+    with configured(llm, **changes, **({} if drafts else {"speculate": 0})):
         outputs = llm.generate(prompts, params)
     after = (stats.num_steps, stats.num_draft_tokens, stats.num_accepted_tokens)
     return outputs, [b - a for a, b in zip(before, after, strict=True)]
 
 
 def test_greedy_output_is_the_same_with_drafts_in_fewer_steps(llm):
-    params = SamplingParams(max_new_tokens=48)
-    plain, (plain_steps, drafted, _) = generate(llm, params, drafts=False)
-    fast, (fast_steps, drafted, accepted) = generate(llm, params)
+    params = SamplingParams(max_new_tokens=48)  # steps counted one at a time
+    plain, (plain_steps, drafted, _) = generate(llm, params, drafts=False, num_scheduler_steps=1)
+    fast, (fast_steps, drafted, accepted) = generate(llm, params, num_scheduler_steps=1)
     for a, b in zip(plain, fast, strict=True):
         assert b.token_ids == a.token_ids
         assert b.text == a.text and b.finish_reason == a.finish_reason

@@ -123,30 +123,33 @@ def test_lora_adapters_at_tp2_equal_peft_in_a_mixed_batch(llama_dir, tokenizer,
         assert got[f"r{i}"] == expected, adapter
 
 
-@pytest.mark.parametrize("tp, speculate", [(1, 0), (2, 4)])
-def test_async_scheduling_equals_transformers(llama_dir, tokenizer, tp, speculate):
+@pytest.mark.parametrize("tp, speculate, multi_steps", [(1, 0, 1), (2, 4, 4)])
+def test_async_scheduling_equals_transformers(llama_dir, tokenizer, tp, speculate, multi_steps):
     """Two steps in flight over actor calls: each rank feeds its own (rank 0's, broadcast)
     samples into the next step, scheduled before the batcher knew them. At TP=2 with
     drafts (prompt lookup): rank 0 broadcasts which drafts each request kept; prompts that
-    repeat themselves give the random-weight model text to copy."""
+    repeat themselves give the random-weight model text to copy. And multi-steps, which
+    arrivals cut short: rank 0 tells every rank where they end."""
     prompts, new_tokens = make_prompts(2048, PARITY_LENGTHS, seed=1), PARITY_NEW_TOKENS
     if speculate:
         repeated = [p * 3 for p in make_prompts(2048, [5, 12, 20, 33], seed=0)]
         prompts, new_tokens = repeated + prompts[:6], [40] * 4 + new_tokens[:6]
     llm = GroupLLM(llama_dir, tp, tokenizer, compiled_graph=False, max_batch_prefill_tokens=64,
-                   speculate=speculate)
-    submitted, most_in_flight = [], [0]
+                   speculate=speculate, num_scheduler_steps=multi_steps)
+    submitted, most_in_flight, num_steps = [], [0], []
 
     def run_step(step_input):
         # Counted at submission over the futures not yet done: a done callback would run a
         # loop turn after the engine may already have seen the future done and started the
         # next step, and count one too many.
+        num_steps.append(step_input.num_steps)
         submitted.append(llm.group.step_async(step_input))
         most_in_flight[0] = max(most_in_flight[0], sum(not f.done() for f in submitted))
         return submitted[-1]
 
     async def main():
-        engine = AsyncEngine(llm.engine, run_step, max_steps_in_flight=2)
+        engine = AsyncEngine(llm.engine, run_step, max_steps_in_flight=2,
+                             interrupt=llm.group.cut_short)
 
         async def one(i, prompt, n):
             await asyncio.sleep(0.05 * i)  # staggered: admissions join a running batch
@@ -163,6 +166,7 @@ def test_async_scheduling_equals_transformers(llama_dir, tokenizer, tp, speculat
         assert llm.engine.scheduler.block_manager.num_used_blocks == 0
         stats = llm.engine.scheduler.stats
         assert (stats.num_accepted_tokens > 0) == (speculate > 0)
+        assert max(num_steps) == multi_steps
     finally:
         llm.group.shutdown()
     assert outputs == [hf_greedy(llama_dir, p, n)
