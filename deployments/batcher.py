@@ -331,7 +331,8 @@ class Batcher:
     async def info(self) -> dict:
         """What /info adds to TGI's fields: how the shards compute."""
         return {"compute_path": self.compute_path,
-                "tensor_parallel_size": self.args.tensor_parallel_size}
+                "tensor_parallel_size": self.args.tensor_parallel_size,
+                "num_scheduler_steps": self.args.num_scheduler_steps}
 
     async def stats(self) -> dict:
         scheduler = self.engine.scheduler

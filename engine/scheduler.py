@@ -34,6 +34,13 @@ from engine.messages import CachedRequestData, NewRequestData, StepInput, StepOu
 from engine.request import FinishReason, Request, RequestStatus
 from engine.speculation import SpeculationState
 
+# Multi-steps only for steps of up to this many requests. A message's cost is shared by
+# its rows, so a bigger batch gains little from fewer messages, and there requests arrive
+# every few steps, cutting multi-steps short and each time giving up async scheduling's
+# overlap: at 16 and 32 requests multi-steps of 4 read 0.89-1.27x and 0.87-1.05x the
+# tok/s of single steps, at 1 1.08-1.45x (benchmarks/NOTES.md 65).
+MULTI_STEP_MAX_ROWS = 8
+
 
 @dataclass(slots=True)
 class SchedulerOutput:
@@ -229,12 +236,12 @@ class Scheduler:
 
     # -- multi-step ----------------------------------------------------------------
     def _multi_step(self, scheduled: dict[str, int]) -> int:
-        """Make a step of plain decodes (nothing waits, nothing prefills or drafts) a
-        multi-step of up to num_scheduler_steps: each request takes part in as many steps
-        as its length limits leave, if the KV cache has blocks for all of them. Returns the
-        step's number of steps (1: it stays one step)."""
+        """Make a step of plain decodes (nothing waits, nothing prefills or drafts) of at
+        most MULTI_STEP_MAX_ROWS requests a multi-step of up to num_scheduler_steps: each
+        request takes part in as many steps as its length limits leave, if the KV cache has
+        blocks for all of them. Returns the step's number of steps (1: one step)."""
         most = self.config.num_scheduler_steps
-        if most == 1 or not scheduled:
+        if most == 1 or not scheduled or len(scheduled) > MULTI_STEP_MAX_ROWS:
             return 1
         steps: dict[str, int] = {}
         for request_id in scheduled:

@@ -153,9 +153,10 @@ def test_tokenize_and_info(app, tokenizer):
     assert info["speculate"] == 0  # TGI's field: draft tokens per step, off by default
     # What runs, not what was asked (dtype=auto): float32 weights on CPU, raygen's kernel.
     assert (info["model_dtype"], info["model_device_type"]) == ("float32", "cpu")
-    assert info["raygen"] == {"tensor_parallel_size": 1, "compute_path": {
-        "device": "cpu", "weight_dtype": "float32", "activation_dtype": "float32",
-        "attention_backend": "cpu", "quant_blocks": None}}
+    assert info["raygen"] == {
+        "tensor_parallel_size": 1, "num_scheduler_steps": 4, "compute_path": {
+            "device": "cpu", "weight_dtype": "float32", "activation_dtype": "float32",
+            "attention_backend": "cpu", "quant_blocks": None}}
 
 
 def test_openai_errors_use_openai_shape(app):

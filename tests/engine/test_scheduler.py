@@ -253,6 +253,18 @@ def test_multi_step_waits_for_newcomers_and_grammars():
     assert out.step_input.num_steps == 1 and len(out.step_input.num_scheduled_tokens) == 3
 
 
+def test_multi_step_only_for_small_batches():
+    from engine.scheduler import MULTI_STEP_MAX_ROWS
+
+    for n, num_steps in ((MULTI_STEP_MAX_ROWS, 4), (MULTI_STEP_MAX_ROWS + 1, 1)):
+        s, w = make(num_scheduler_steps=4)
+        for i in range(n):
+            s.add_request(req(f"r{i}"))
+        step(s, w)
+        out, _ = step(s, w)
+        assert out.step_input.num_steps == num_steps
+
+
 def test_multi_step_cut_short_computes_again_from_where_it_stopped():
     s, w = make(num_scheduler_steps=6)
     s.add_request(req("a", max_new=20))
