@@ -265,10 +265,7 @@ class Scheduler:
     def _settle_steps(self, scheduled: dict[str, int], output: StepOutput | None) -> None:
         """After a multi-step: a request still running that took part in fewer steps
         than scheduled (they were cut short) computes again from where it stopped."""
-        rows = dict.fromkeys(scheduled, 0)
-        for request_id in output.request_ids if output else ():
-            if request_id in rows:
-                rows[request_id] += 1
+        rows = _rows_per_request(output, scheduled)
         for request_id, n in scheduled.items():
             request = self.requests.get(request_id)
             if request is None or request.num_step_tokens == 0:
@@ -449,10 +446,7 @@ class Scheduler:
     def _settle_drafts(self, drafts: dict[str, list[int]], output: StepOutput) -> None:
         """Count what the drafts bought; a request still running recomputes from the
         first position whose draft failed (the shards overwrite those KV slots)."""
-        rows = dict.fromkeys(drafts, 0)
-        for request_id in output.request_ids:
-            if request_id in rows:
-                rows[request_id] += 1
+        rows = _rows_per_request(output, drafts)
         for request_id, drafted in drafts.items():
             kept = max(0, rows[request_id] - 1)
             self.stats.num_draft_tokens += len(drafted)
@@ -503,3 +497,12 @@ class Scheduler:
         running = {r.request_id for r in self.running}
         if not holders <= running:
             raise AssertionError(f"blocks held by requests not running: {holders - running}")
+
+
+def _rows_per_request(output: StepOutput | None, request_ids) -> dict[str, int]:
+    """How many of the step's output rows each of `request_ids` got."""
+    rows = dict.fromkeys(request_ids, 0)
+    for request_id in output.request_ids if output else ():
+        if request_id in rows:
+            rows[request_id] += 1
+    return rows
