@@ -23,8 +23,7 @@ from deployments.ingress import Ingress
 from deployments.metrics_hub import MetricsHub
 from deployments.router import ROUTER_PATH
 from shards.checkpoints.adapters import read_adapter_config
-from shards.checkpoints.loader import checkpoint_files
-from shards.checkpoints.resolve import CheckpointError, gguf_file, model_dir
+from shards.checkpoints.resolve import CheckpointError, checkpoint_files, gguf_file, model_dir
 from shards.model.config import ModelConfig
 
 # A replica batches many requests at once: Serve's default of 5 ongoing requests per

@@ -14,10 +14,12 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+if TYPE_CHECKING:
+    import torch
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
@@ -126,6 +128,8 @@ def model_config(preset: Preset, arch: str, vocab_size: int) -> dict:
 def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     """Weights scaled by 1/sqrt(fan_in), so activations and logits stay near unit size:
     greedy outputs then vary with the prompt and top-1 margins dwarf float noise."""
+    import torch  # here, not at the top: the batcher imports this module for ensure_demo_model
+
     gen = torch.Generator().manual_seed(seed)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -170,6 +174,8 @@ def write_demo_model(out_dir: str | Path, preset: str = "tiny", arch: str = "lla
     spec = PRESETS[preset]
     tokenizer = train_tokenizer(spec)
     config = model_config(spec, arch, tokenizer.get_vocab_size())
+
+    from safetensors.torch import save_file
 
     save_file(random_weights(config, seed), str(out / "model.safetensors"),
               metadata={"format": "pt"})

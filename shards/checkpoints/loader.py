@@ -12,7 +12,7 @@ from safetensors import safe_open
 from torch import nn
 
 from shards.checkpoints.gguf_weights import iter_gguf
-from shards.checkpoints.resolve import gguf_file
+from shards.checkpoints.resolve import checkpoint_files, gguf_file
 from shards.checkpoints.resolve import model_dir as resolve_model_dir
 
 # checkpoint name part -> (merged module part, index within the merged parameter)
@@ -23,18 +23,6 @@ _MERGED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
-
-
-def checkpoint_files(model_dir: str | Path) -> list[Path]:
-    model_dir = Path(model_dir)
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [model_dir / name for name in names]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no .safetensors files in {model_dir}")
-    return files
 
 
 def iter_checkpoint(model_dir: str | Path) -> Iterator[tuple[str, Any]]:

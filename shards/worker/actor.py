@@ -9,7 +9,11 @@ All of a rank's torch work runs on one thread of its own, the torch thread: one 
 team, bound one thread per core. Actor calls hand steps to it in the order the group sent
 them, from two threads of their own (`STEP_CALLS`), so that Ray returns one step's output
 and delivers the next step's input while the torch thread already runs that next step
-(NOTES.md 43)."""
+(NOTES.md 43).
+
+torch and the model stack are imported where a rank first needs them, in its own
+process: the batcher imports this module to create the ranks and never loads torch (two
+seconds off each batcher replica's start on 2 cores)."""
 
 from __future__ import annotations
 
@@ -20,16 +24,17 @@ import os
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import ray
-import torch
-import torch.distributed as dist
 
 from engine.messages import StepInput, StepOutput
 from shards.cpu import plan as cpu_plan
-from shards.model.layers import TPContext
+from shards.shard_config import ShardConfig
 from shards.worker import logs
-from shards.worker.model_runner import ModelRunner, ShardConfig, resolve_device
+
+if TYPE_CHECKING:
+    from shards.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -150,6 +155,12 @@ class ShardActor:
         return self._on_torch_thread(self._init_model, address, port)
 
     def _init_model(self, address: str, port: int) -> int:
+        import torch
+        import torch.distributed as dist
+
+        from shards.model.layers import TPContext
+        from shards.worker.model_runner import ModelRunner, resolve_device
+
         device = resolve_device(self.config.device)
         if self.world_size > 1:
             backend = "nccl" if device.type == "cuda" else "gloo"
@@ -236,6 +247,8 @@ class ShardActor:
 
     def placement(self) -> dict:
         """Where Ray put this rank: for tests and the dashboard."""
+        import torch
+
         ctx = ray.get_runtime_context()
         return {
             "rank": self.rank,

@@ -35,8 +35,8 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.messages import StepInput, StepOutput
+from shards.shard_config import ShardConfig
 from shards.worker.actor import CONCURRENCY_GROUPS, Park, ShardActor
-from shards.worker.model_runner import ShardConfig
 
 logger = logging.getLogger(__name__)
 

@@ -191,3 +191,18 @@ def test_serve_run_of_the_import_path_starts_ray_in_throughput_mode(monkeypatch)
         ctx.params["address"] = "local"
         monkeypatch.setattr("deployments.app.ray.is_initialized", lambda: True)
         assert not serve_run_starts_ray()
+
+
+def test_the_builder_and_the_serving_plane_load_no_torch():
+    """Only shard processes need torch: importing the builder (`serve run` imports
+    deployments.app), the batcher, which creates the shard actors, or the ingress loads
+    neither torch nor transformers (torch alone is two seconds of CPU here, paid on every
+    replica start)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, deployments.app, deployments.batcher, deployments.ingress; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "[]"

