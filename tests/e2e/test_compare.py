@@ -34,6 +34,7 @@ def test_compare_runs_each_server_in_turn_on_the_same_prompts(llama_dir, tmp_pat
             assert ours["total_output_tokens"] > 0 and peer["total_output_tokens"] > 0
             assert ours["median_itl_ms"] is not None  # raygen streams token by token ...
             assert peer["median_itl_ms"] is None  # ... the static batch answers at once
+            assert ours["median_tpot_ms"] > 0  # the table's per-token column
             assert rows["limit"][c]["output_throughput"] > 0
     # At concurrency 1 the limit also times the core plan's step: one core, one thread.
     limit_1 = result["results"]["prefill-heavy"]["limit"][1]
@@ -42,6 +43,7 @@ def test_compare_runs_each_server_in_turn_on_the_same_prompts(llama_dir, tmp_pat
     # Text prompts of exactly 128 tokens, plus the BOS the server adds.
     assert result["results"]["prefill-heavy"]["raygen TP=1"][1]["total_input_tokens"] == 3 * 129
     assert "raygen / best peer" in printed and "limit (forward only)" in printed
+    assert "TPOT p50" in printed
     assert "one-token step on one core" in printed
 
 
