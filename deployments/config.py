@@ -40,7 +40,7 @@ class AppArgs(BaseModel):
         "Q8_0 weights on CPU: `float32` multiplies them by the activations as they are (the "
         "dequantized weights' product, exact to rounding); `int8` by the activations rounded "
         "to int8 blocks in integers, as llama.cpp does: faster, and its answers move as "
-        "llama.cpp's do (needs AVX-512 VNNI, else float32)")
+        "llama.cpp's do (needs AVX-512 VNNI or AVX2, else float32)")
     quantize: Literal["q8_0"] | None = Field(
         None, description="TGI's --quantize, on CPU: `q8_0` quantizes a float checkpoint's "
         "linears at load into 8-bit blocks of 32 (llama.cpp's Q8_0), multiplied as a GGUF "

@@ -21,7 +21,7 @@ class ShardConfig:
     # A GGUF file's Q4_0, Q4_1 and Q8_0 blocks on CPU: multiplied by the activations as they
     # are (`float32`: the dequantized weights' product up to summation order), or by the
     # activations rounded to int8 blocks, in integers (`int8`, as llama.cpp does; where the
-    # CPU has AVX-512 VNNI): faster, less exact (benchmarks/NOTES.md 58).
+    # CPU has AVX-512 VNNI or AVX2): faster, less exact (benchmarks/NOTES.md 58, 66).
     quant_products: str = "float32"
     # A float checkpoint's linears quantized at load into Q8_0 blocks (None: not), which the
     # CPU's block kernel then multiplies by, as a GGUF file's own (quant_products applies).

@@ -32,8 +32,8 @@ at::Tensor linear_panels(at::Tensor x, at::Tensor panels, int64_t out_features,
 bool quant_supported();
 at::Tensor linear_quant(at::Tensor x, at::Tensor weight, int64_t type, int64_t out_features,
                         std::optional<at::Tensor> bias);
-// The same with x quantized to int8 blocks, multiplied in integers by AVX-512 VNNI
-// (Q4_0, Q4_1, Q8_0), as llama.cpp does: faster, not exact.
+// The same with x quantized to int8 blocks, multiplied in integers (AVX-512 VNNI, or
+// AVX2's vpmaddubsw) (Q4_0, Q4_1, Q8_0), as llama.cpp does: faster, not exact.
 bool quant_i8_supported();
 at::Tensor linear_quant_i8(at::Tensor x, at::Tensor weight, int64_t type, int64_t out_features,
                            std::optional<at::Tensor> bias);
