@@ -275,6 +275,12 @@ void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row
 }
 
 
+// x's rows as int8 blocks for the int8 products below: quants, dx and dx * the block's sum.
+struct XQuant {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+};
+
 #if defined(__AVX512VNNI__)
 // The int8 products (`linear_quant_i8`), as llama.cpp multiplies: each row of x quantized
 // to int8 in blocks of 32 (a scale dx = max|x| / 127 per block), and each block's dot
@@ -284,11 +290,6 @@ void product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row
 //   x_b . w_b = dw dx (sum u q_x) + (m - off dw) dx (sum q_x),   off = 0 | 8 | 128
 // with m = 0 but for Q4_1. Faster than unpacking to float32 (one integer instruction per
 // 64 weights against four float ones per 16), at the cost of x's rounding to 8 bits.
-
-struct XQuant {  // x's rows as int8 blocks: quants, dx and dx * sum of the block's quants
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-};
 
 // For Q4 weights each pair of blocks is stored as [b lo | b+1 lo | b hi | b+1 hi] (16
 // quants each: a block's first and last 16), the order in which a pair of weight blocks'
@@ -446,17 +447,6 @@ inline void dot_tile_i8(const XQuant& xq, int64_t r0, int64_t K, int64_t nb, con
       out[r * ldo + n] = _mm512_reduce_add_ps(acc[r][n]) + corr[r][n] + (bias ? bias[n] : 0.0f);
 }
 
-template <int64_t T, int NR, int MAXR>
-void product_i8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
-                int64_t N, const float* bias, float* out) {
-  const int64_t nb = K / kBlock;
-  const XQuant xq = quantize_x(x, M, K, T != kQ8_0);
-  over_tiles<NR, MAXR>(M, N, [&](auto mr, auto nr, int64_t r, int64_t n) {
-    dot_tile_i8<T, decltype(mr)::value, decltype(nr)::value>(
-        xq, r, K, nb, w + n * row_bytes, row_bytes, out + r * N + n, N,
-        bias ? bias + n : nullptr);
-  });
-}
 #endif  // __AVX512VNNI__
 
 #if !defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -470,11 +460,6 @@ void product_i8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t 
 // and 2 * 128 * 127 are below 2^15. 32 weights in about 5 instructions, against 4 chunks
 // of 6 when the weights are unpacked to float32.
 
-struct XQuant8 {  // x's rows as int8 blocks: quants, dx and dx * sum of the block's quants
-  std::vector<int8_t> q;
-  std::vector<float> d, s;
-};
-
 inline float hmax8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -487,9 +472,10 @@ inline float hadd8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-XQuant8 quantize_x8(const float* x, int64_t M, int64_t K) {
+// x's blocks always in x's own order here (`pair_order` is the VNNI tile's layout).
+XQuant quantize_x(const float* x, int64_t M, int64_t K, bool /*pair_order*/) {
   const int64_t nb = K / kBlock;
-  XQuant8 xq{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
+  XQuant xq{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undo packs' lanes
   for (int64_t r = 0; r < M; ++r)
@@ -544,7 +530,7 @@ inline __m256 block_dot8(__m256i wq, __m256i xv) {
 
 // out[r, n:n+NR] for MR rows of x against NR weight rows, a block at a time.
 template <int64_t T, int MR, int NR>
-inline void dot_tile_i8(const XQuant8& xq, int64_t r0, int64_t K, int64_t nb, const uint8_t* w,
+inline void dot_tile_i8(const XQuant& xq, int64_t r0, int64_t K, int64_t nb, const uint8_t* w,
                         int64_t row_bytes, float* out, int64_t ldo, const float* bias) {
   constexpr int64_t bytes = T == kQ4_0 ? 18 : T == kQ4_1 ? 20 : 34;
   __m256 acc[MR][NR];
@@ -577,18 +563,21 @@ inline void dot_tile_i8(const XQuant8& xq, int64_t r0, int64_t K, int64_t nb, co
       out[r * ldo + n] = hadd8(acc[r][n]) + corr[r][n] + (bias ? bias[n] : 0.0f);
 }
 
+#endif  // AVX2 without VNNI
+
+#if defined(__AVX512VNNI__) || defined(RAYGEN_QUANT_I8_AVX2)
 template <int64_t T, int NR, int MAXR>
 void product_i8(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes,
                 int64_t N, const float* bias, float* out) {
   const int64_t nb = K / kBlock;
-  const XQuant8 xq = quantize_x8(x, M, K);
+  const XQuant xq = quantize_x(x, M, K, T != kQ8_0);  // the ISA's own (above)
   over_tiles<NR, MAXR>(M, N, [&](auto mr, auto nr, int64_t r, int64_t n) {
     dot_tile_i8<T, decltype(mr)::value, decltype(nr)::value>(
         xq, r, K, nb, w + n * row_bytes, row_bytes, out + r * N + n, N,
         bias ? bias + n : nullptr);
   });
 }
-#endif  // AVX2 without VNNI
+#endif
 
 #endif  // RAYGEN_QUANT_FLOAT
 
