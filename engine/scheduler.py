@@ -194,8 +194,14 @@ class Scheduler:
     def _draft_rows(self) -> int:
         """Draft tokens this step may compute in all: drafts are cheap while the step's
         rows are few (its cost is the weights' reading), so they fill up to
-        `speculate_max_rows` rows beside the running requests' own."""
+        `speculate_max_rows` rows beside the running requests' own; with multi-steps on,
+        only for a request that runs alone or in a batch too big to multi-step."""
         if not self.config.speculate:
+            return 0
+        if self.config.num_scheduler_steps > 1 and 1 < len(self.running) <= MULTI_STEP_MAX_ROWS:
+            # A draft makes its step a single step for every row in it; beside other
+            # requests multi-steps paid more than drafts did (speculation 0.87x at 4
+            # requests, 0.75x at 8; 1.20x alone: benchmarks/NOTES.md 67).
             return 0
         return max(0, self.config.speculate_max_rows - len(self.running))
 

@@ -170,3 +170,28 @@ def test_with_two_steps_in_flight_only_as_many_wait_as_the_next_step_has_drafts_
         assert steps < 1000
     assert outputs == plain
     assert most_waiting == 1 and s.stats.num_accepted_tokens > 0
+
+
+def test_with_multi_steps_only_a_lone_request_or_a_batch_too_big_for_them_drafts():
+    """A draft makes its step a single step for the whole batch: with multi-steps on, a
+    request drafts while it runs alone, not beside 1-7 others (their multi-steps paid more,
+    benchmarks/NOTES.md 67), and again in a batch of more than 8, which never multi-steps."""
+    from engine.scheduler import MULTI_STEP_MAX_ROWS
+
+    def drafted(num_requests: int, steps: int) -> bool:
+        config = SchedulerConfig(max_model_len=1024, speculate=4, speculate_max_rows=16,
+                                 num_scheduler_steps=steps)
+        s = Scheduler(config, CacheConfig(4, 256), frozenset({EOS}))
+        w = FakeWorker(4, copying_model)
+        for i in range(num_requests):
+            s.add_request(Request(f"r{i}", [11, 12, 13, 11, 12, 13], SamplingParams(), seed=0))
+        for _ in range(6):
+            out = s.schedule()
+            if out.step_input.draft_token_ids:
+                return True
+            s.update(out, w.step(out.step_input))
+        return False
+
+    assert drafted(1, 4) and drafted(MULTI_STEP_MAX_ROWS + 1, 4)
+    assert not drafted(2, 4) and not drafted(MULTI_STEP_MAX_ROWS, 4)
+    assert drafted(2, 1) and drafted(MULTI_STEP_MAX_ROWS, 1)  # single steps: as before
