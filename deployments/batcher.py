@@ -89,7 +89,7 @@ class Batcher:
         _, max_total_tokens = token_limits(args, model_config.max_position_embeddings)
         self.engine = LLMEngine(args.scheduler_config(max_total_tokens),
                                 args.cache_config(num_blocks),
-                                load_tokenizer(args.model),
+                                load_tokenizer(args.model, without_torch=True),
                                 model_config.eos_token_ids, self.group,
                                 frozenset(name for name, _ in args.adapters))
         self.metrics = Metrics(BATCHER)

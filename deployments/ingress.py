@@ -78,7 +78,7 @@ class Ingress:
 
             ensure_demo_model(args.model)
         self.batcher = batcher
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = load_tokenizer(args.model, without_torch=True)
         model_config = ModelConfig.from_pretrained(args.model)
         self.adapters = Adapters(args.adapters, metrics_hub, args.max_lora_rank, model_config)
         self.limits = server_limits(args, model_config.max_position_embeddings,

@@ -46,19 +46,23 @@ def listener(port: int) -> str | None:
     return None
 
 
-def replica_environ(deployment: str, under: int) -> dict[str, str]:
-    """The environment of the Serve replica process of `deployment` (found by its Ray
-    process title, idle or running a call) in the Ray instance that process `under`
-    started, from /proc."""
+def replica_pid(deployment: str, under: int) -> int:
+    """The Serve replica process of `deployment` (found by its Ray process title, idle or
+    running a call) in the Ray instance that process `under` started."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         if not descends_from(int(pid), under):
             continue
         with contextlib.suppress(OSError):
             title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode().strip()
             if is_replica_of(title, deployment):
-                entries = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                return dict(e.decode().partition("=")[::2] for e in entries if b"=" in e)
+                return int(pid)
     raise LookupError(f"no replica process of {deployment}")
+
+
+def replica_environ(deployment: str, under: int) -> dict[str, str]:
+    """The environment of that replica process, from /proc."""
+    entries = Path(f"/proc/{replica_pid(deployment, under)}/environ").read_bytes().split(b"\0")
+    return dict(e.decode().partition("=")[::2] for e in entries if b"=" in e)
 
 
 @contextlib.contextmanager

@@ -23,7 +23,7 @@ import torch
 import yaml
 from openai import OpenAI
 
-from tests.e2e.serving import BASE, ROOT, listener, replica_environ, serve_run
+from tests.e2e.serving import BASE, ROOT, listener, replica_environ, replica_pid, serve_run
 from tests.reference import smollm2_gguf, smollm2_transformers, smollm2_transformers_tokenizer
 
 SMOLLM2 = smollm2_gguf()
@@ -72,6 +72,15 @@ def test_replicas_get_throughput_modes_in_process_settings(server):
     for deployment in ("Ingress", "Batcher", "Metrics"):
         environ = replica_environ(deployment, server.pid)
         assert {k: environ.get(k) for k in REPLICA_ENV} == REPLICA_ENV, deployment
+
+
+def test_the_ingress_and_batcher_replicas_never_load_torch(server):
+    """Only the shards run the model: the serving plane reads the tokenizer through
+    transformers with torch turned off (shards/checkpoints/resolve.py), which spares each
+    replica start the seconds of a core that loading torch takes."""
+    for deployment in ("Ingress", "Batcher"):
+        maps = Path(f"/proc/{replica_pid(deployment, server.pid)}/maps").read_text()
+        assert "libtorch" not in maps, deployment
 
 
 def test_shard_start_up_lines_reach_the_serve_run_console(server):
