@@ -98,7 +98,7 @@ def test_scales_out_under_load_and_back_in_without_failures(cluster, llama_dir):
                         last = line
                 results.append((r.status_code, last is not None and '"details": {' in last))
 
-    up, heavy = load_until_replicas(2, 90, stop, stream_loop, [(150,)] * 16, join_s=120)
+    up, heavy = load_until_replicas(2, 90, stop, stream_loop, [(150,)] * 8, join_s=120)
     # Quiet (below target), but two streams run back to back through the scale-in, so
     # the replica that goes away is serving one when it is told to stop.
     stop.clear()
