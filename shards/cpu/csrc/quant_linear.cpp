@@ -59,6 +59,13 @@ inline float half_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
+// The sum of a vector's 8 floats (the AVX2 tiles', float and int8).
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 #if defined(__AVX512F__)
 
 // The block's 32 quants as two vectors of 16 floats (weights 0-15, 16-31), and its d, m.
@@ -167,12 +174,6 @@ inline __m256 weights8(const uint8_t* blk, int c, float d, float m) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q)), _mm256_set1_ps(d),
                            _mm256_set1_ps(m));
   }
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 // As the AVX-512 tile above, on vectors of 8: MR x NR accumulators, each dequantized chunk
@@ -466,12 +467,6 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-inline float hadd8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
 // x's blocks always in x's own order here (`pair_order` is the VNNI tile's layout).
 XQuant quantize_x(const float* x, int64_t M, int64_t K, bool /*pair_order*/) {
   const int64_t nb = K / kBlock;
@@ -497,7 +492,7 @@ XQuant quantize_x(const float* x, int64_t M, int64_t K, bool /*pair_order*/) {
           _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq.q.data() + r * K + b * kBlock), packed);
       xq.d[r * nb + b] = d;
-      xq.s[r * nb + b] = d * hadd8(_mm256_cvtepi32_ps(sum));
+      xq.s[r * nb + b] = d * hsum(_mm256_cvtepi32_ps(sum));
     }
   return xq;
 }
@@ -560,7 +555,7 @@ inline void dot_tile_i8(const XQuant& xq, int64_t r0, int64_t K, int64_t nb, con
   }
   for (int r = 0; r < MR; ++r)
     for (int n = 0; n < NR; ++n)
-      out[r * ldo + n] = hadd8(acc[r][n]) + corr[r][n] + (bias ? bias[n] : 0.0f);
+      out[r * ldo + n] = hsum(acc[r][n]) + corr[r][n] + (bias ? bias[n] : 0.0f);
 }
 
 #endif  // AVX2 without VNNI
