@@ -148,12 +148,16 @@ class LLMEngine:
                                              num_prompt_tokens=request.num_prompt_tokens))
         drafts = scheduled.step_input.draft_token_ids
         for request, rows in self.scheduler.update(scheduled, output):
-            results.append(self._make_output(request, output, rows,
-                                             request.request_id in drafts))
+            request_id = request.request_id
+            if request_id in drafts:
+                accepted = len(rows) - 1
+            else:  # a multi-step's drafts (the shard's), or none
+                accepted = output.drafted.get(request_id, (0, 0))[1]
+            results.append(self._make_output(request, output, rows, accepted))
         return results
 
     def _make_output(self, request: Request, output: StepOutput, rows: list[int],
-                     drafted: bool = False) -> RequestOutput:
+                     accepted: int = 0) -> RequestOutput:
         """The step's tokens for one request (several where its drafts were kept, or in a
         multi-step); a stop string found in one drops the tokens after it."""
         state = self._states[request.request_id]
@@ -185,7 +189,7 @@ class LLMEngine:
             finish_reason=request.finish_reason,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens,
-            accepted_drafts=len(token_ids) - 1 if drafted else 0,
+            accepted_drafts=min(accepted, len(token_ids) - 1),
         )
         if not state.first_sent:
             state.first_sent = True

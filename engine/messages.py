@@ -33,6 +33,18 @@ class CachedRequestData:
 
 
 @dataclass(frozen=True, slots=True)
+class StepDrafting:
+    """Prompt lookup inside a multi-step (engine/speculation.py): before each of its steps a
+    rank drafts for its requests from their own text. Every rank holds the same tokens, so
+    every rank drafts the same rows."""
+
+    speculate: int  # draft tokens a request checks in one step, at most
+    max_rows: int  # draft tokens in one step, its requests together
+    min_n: int  # prompt_lookup_min
+    max_n: int  # prompt_lookup_max
+
+
+@dataclass(frozen=True, slots=True)
 class StepInput:
     new_requests: list[NewRequestData]
     cached_requests: list[CachedRequestData]
@@ -48,8 +60,11 @@ class StepInput:
     # Above 1, a multi-step: every request decodes, in up to this many steps one after
     # another (its scheduled tokens: how many it takes part in), each step fed the tokens
     # the one before it drew. A rank stops a request's steps at its end-of-sequence or stop
-    # token, and rank 0 may cut them all short (ModelRunner.cut_short).
+    # token, and rank 0 may cut them all short (ModelRunner.cut_short). With `drafting`,
+    # a request's scheduled tokens are the most it may take (drafts kept count), and each
+    # step may check drafts beside its next token.
     num_steps: int = 1
+    drafting: StepDrafting | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -72,3 +87,5 @@ class StepOutput:
     prompt_logprobs: dict[str, list[float]] = field(default_factory=dict)
     # Request id -> why it must end now (its grammar failed); its row is not a token.
     errors: dict[str, str] = field(default_factory=dict)
+    # A multi-step with drafting: request id -> (draft tokens checked, of which kept).
+    drafted: dict[str, tuple[int, int]] = field(default_factory=dict)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
-from engine.messages import CachedRequestData, NewRequestData, StepInput, StepOutput
+from engine.messages import CachedRequestData, NewRequestData, StepDrafting, StepInput, StepOutput
 from engine.request import FinishReason, Request, RequestStatus
 from engine.speculation import SpeculationState
 
@@ -171,10 +171,10 @@ class Scheduler:
             self.steps_since_admission + 1)
         num_drafted = sum(map(len, drafts.values()))  # decode rows, not prompt tokens
         num_prefill = self.config.max_batch_prefill_tokens - budget - reserved - num_drafted
-        num_steps = 1
+        num_steps, drafting = 1, None
         if not (num_prefill or num_admitted or drafts or preempted or self.waiting):
-            num_steps = self._multi_step(scheduled)
-        step_input, sampling_ids = self._make_step_input(scheduled, drafts, num_steps)
+            num_steps, drafting = self._multi_step(scheduled)
+        step_input, sampling_ids = self._make_step_input(scheduled, drafts, num_steps, drafting)
         return SchedulerOutput(
             step_input, num_prefill, num_decode, num_admitted, preempted,
             concat_reason=concat_reason if had_running and num_admitted else None,
@@ -195,13 +195,16 @@ class Scheduler:
         """Draft tokens this step may compute in all: drafts are cheap while the step's
         rows are few (its cost is the weights' reading), so they fill up to
         `speculate_max_rows` rows beside the running requests' own; with multi-steps on,
-        only for a request that runs alone or in a batch too big to multi-step."""
+        only for a batch too big to multi-step (smaller ones draft inside their
+        multi-steps, on the shard)."""
         if not self.config.speculate:
             return 0
-        if self.config.num_scheduler_steps > 1 and 1 < len(self.running) <= MULTI_STEP_MAX_ROWS:
-            # A draft makes its step a single step for every row in it; beside other
-            # requests multi-steps paid more than drafts did (speculation 0.87x at 4
-            # requests, 0.75x at 8; 1.20x alone: benchmarks/NOTES.md 67).
+        if self.config.num_scheduler_steps > 1 and len(self.running) <= MULTI_STEP_MAX_ROWS:
+            # Batches small enough to multi-step draft inside their multi-steps, on the
+            # shard (`_multi_step`): a draft of the scheduler's would make its step a
+            # single step for every row in it, and beside other requests multi-steps paid
+            # more than such drafts did (0.87x at 4 requests, 0.75x at 8:
+            # benchmarks/NOTES.md 67).
             return 0
         return max(0, self.config.speculate_max_rows - len(self.running))
 
@@ -241,36 +244,55 @@ class Scheduler:
         return spec.propose(request.token_ids, min(self.config.speculate, most, left))
 
     # -- multi-step ----------------------------------------------------------------
-    def _multi_step(self, scheduled: dict[str, int]) -> int:
+    def _multi_step(self, scheduled: dict[str, int]) -> tuple[int, StepDrafting | None]:
         """Make a step of plain decodes (nothing waits, nothing prefills or drafts) of at
         most MULTI_STEP_MAX_ROWS requests a multi-step of up to num_scheduler_steps: each
         request takes part in as many steps as its length limits leave, if the KV cache has
-        blocks for all of them. Returns the step's number of steps (1: one step)."""
+        blocks for all of them. With speculation on, each step may also check drafts that
+        the shard finds (StepDrafting): a request's scheduled tokens are then the most it
+        may take, drafts kept included, and its blocks are taken for all of them (if
+        there are not enough, the multi-step goes without drafts). Returns the step's
+        number of steps (1: one step) and its drafting."""
         most = self.config.num_scheduler_steps
         if most == 1 or not scheduled or len(scheduled) > MULTI_STEP_MAX_ROWS:
-            return 1
-        steps: dict[str, int] = {}
+            return 1, None
+        left: dict[str, int] = {}
         for request_id in scheduled:
             request = self.requests[request_id]
             if request.params.grammar is not None:  # its matcher advances a token a step
-                return 1
+                return 1, None
             pending = request.num_tokens + request.num_placeholders
-            left = min(request.params.max_new_tokens - (pending - request.num_prompt_tokens),
-                       self.config.max_model_len - pending)
-            steps[request_id] = max(1, min(most, left))
+            left[request_id] = min(request.params.max_new_tokens
+                                   - (pending - request.num_prompt_tokens),
+                                   self.config.max_model_len - pending)
+        num_steps = max(1, min(most, max(left.values())))
+        if num_steps == 1:
+            return 1, None
+        options: list[StepDrafting | None] = [None]
+        max_rows = self.config.speculate_max_rows - len(scheduled)
+        if self.config.speculate and max_rows > 0:
+            options.insert(0, StepDrafting(self.config.speculate, max_rows,
+                                           self.config.prompt_lookup_min,
+                                           self.config.prompt_lookup_max))
         bm = self.block_manager
-        needed = sum(bm.num_blocks_to_allocate(r, self.requests[r].num_computed_tokens + n)
-                     for r, n in steps.items())
-        if max(steps.values()) == 1 or needed > bm.num_free_blocks:
-            return 1
-        for request_id, n in steps.items():
+        for drafting in options:
+            per_step = 1 + (drafting.speculate if drafting else 0)
+            tokens = {r: max(1, min(most * per_step, n)) for r, n in left.items()}
+            needed = sum(bm.num_blocks_to_allocate(r, self.requests[r].num_computed_tokens + n)
+                         for r, n in tokens.items())
+            if needed <= bm.num_free_blocks:
+                break
+        else:
+            return 1, None
+        for request_id, n in tokens.items():
             bm.allocate(request_id, self.requests[request_id].num_computed_tokens + n)
             scheduled[request_id] = n
-        return max(steps.values())
+        return num_steps, drafting
 
     def _settle_steps(self, scheduled: dict[str, int], output: StepOutput | None) -> None:
-        """After a multi-step: a request still running that took part in fewer steps
-        than scheduled (they were cut short) computes again from where it stopped."""
+        """After a multi-step: a request still running that took fewer tokens than
+        scheduled (its steps were cut short, or drafts failed) computes again from where
+        it stopped."""
         rows = _rows_per_request(output, scheduled)
         for request_id, n in scheduled.items():
             request = self.requests.get(request_id)
@@ -380,7 +402,8 @@ class Scheduler:
         return changes
 
     def _make_step_input(self, scheduled: dict[str, int], drafts: dict[str, list[int]],
-                         num_steps: int = 1) -> tuple[StepInput, list[str]]:
+                         num_steps: int = 1, drafting: StepDrafting | None = None
+                         ) -> tuple[StepInput, list[str]]:
         new, cached, sampling = [], [], []
         for request_id, num_new in scheduled.items():
             request = self.requests[request_id]
@@ -416,7 +439,7 @@ class Scheduler:
         freed, self.freed_ids = self.freed_ids, []
         self.stats.num_steps += 1
         return StepInput(new, cached, dict(scheduled), freed, drafts,
-                         self._adapter_changes(), num_steps), sampling
+                         self._adapter_changes(), num_steps, drafting), sampling
 
     # -- results -------------------------------------------------------------------
     def update(self, scheduled: SchedulerOutput, output: StepOutput | None
@@ -447,6 +470,9 @@ class Scheduler:
             self._settle_drafts(drafts, output)
         if scheduled.step_input.num_steps > 1:
             self._settle_steps(scheduled.step_input.num_scheduled_tokens, output)
+            for drafted, kept in output.drafted.values() if output else ():
+                self.stats.num_draft_tokens += drafted
+                self.stats.num_accepted_tokens += kept
         return list(updated.values())
 
     def _settle_drafts(self, drafts: dict[str, list[int]], output: StepOutput) -> None:

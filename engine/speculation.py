@@ -10,6 +10,10 @@ same with and without speculation, token for token, greedy and seeded alike.
 Each request keeps an index of its n-grams (n-gram -> where its latest occurrence ends),
 extended as tokens arrive, so a proposal costs a few dict lookups, not a scan.
 
+Who drafts: the scheduler, for a step it sends alone (a batch too big to multi-step),
+and the shard, before each step of a multi-step (`draft_step`): inside a multi-step only
+the shard knows the tokens the steps before drew.
+
 Whether to draft is decided per step and per request (`SpeculationState.wants_draft`):
 a request whose drafts keep failing backs off for a growing number of steps, and the
 scheduler drafts only while the batch is small enough that extra rows are cheap."""
@@ -76,3 +80,28 @@ class SpeculationState:
         else:
             self.failures += 1
             self.skip = min(MAX_BACKOFF_STEPS, 1 << (self.failures - 1))
+
+
+def draft_step(rows: list[tuple[str, SpeculationState, list[int], int]], speculate: int,
+               max_rows: int) -> dict[str, list[int]]:
+    """The drafts of one step inside a multi-step (the shard drafts there: it knows every
+    token, the batcher does not until the message returns). `rows`: per request its id,
+    state, tokens and the most tokens it may still take; each drafts up to `speculate`,
+    one fewer than it may take (the step draws one more). Then the drafts are cut to
+    `max_rows` in all depth by depth, every request's first draft before any second one:
+    a draft is kept only if those before it were, so earlier ones pay more often."""
+    proposals: dict[str, list[int]] = {}
+    for request_id, spec, token_ids, most in rows:
+        k = min(speculate, most - 1)
+        if k > 0 and spec.wants_draft():
+            draft = spec.propose(token_ids, k)
+            if draft:
+                proposals[request_id] = draft
+    depth = dict.fromkeys(proposals, 0)
+    left = max_rows
+    for level in range(speculate):
+        for request_id, draft in proposals.items():
+            if left and len(draft) > level:
+                depth[request_id] += 1
+                left -= 1
+    return {r: draft[:depth[r]] for r, draft in proposals.items() if depth[r]}

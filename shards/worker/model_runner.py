@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.messages import StepInput, StepOutput
+from engine.messages import StepDrafting, StepInput, StepOutput
 from engine.sampling_params import SamplingParams
+from engine.speculation import SpeculationState, draft_step
 from shards.checkpoints.adapters import AdapterError
 from shards.checkpoints.loader import load_weights
 from shards.cpu.plan import bind_torch_threads
@@ -125,6 +126,8 @@ class _Seq:
     params: SamplingParams
     seed: int
     lora_slot: int = 0  # its LoRA adapter's slot, 0 for the base model
+    # Its n-gram index and drafting record, for the drafts of multi-steps.
+    speculation: SpeculationState | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -453,22 +456,43 @@ class ModelRunner:
 
     def _multi_step(self, step: StepInput) -> StepOutput | None:
         """Decode steps one after another, each fed the tokens the one before it drew; a
-        request drops out after its scheduled number of them or once it draws its
+        request drops out once it has taken its scheduled tokens or drawn its
         end-of-sequence or a stop token (which every rank sees, rank 0 having broadcast
-        it). Rows come back step after step."""
-        left = dict(step.num_scheduled_tokens)
+        it). With `step.drafting`, each step first drafts from the requests' own text
+        (every rank the same drafts) and checks them beside their next tokens. Rows come
+        back step after step."""
+        left = dict(step.num_scheduled_tokens)  # tokens each request may still take
+        drafting = step.drafting
         outputs: list[StepOutput] = []
+        drafted: dict[str, list[int]] = {}  # request -> [draft tokens checked, kept]
         for i in range(step.num_steps):
-            batch = dict.fromkeys((r for r, n in left.items() if n > i), 1)
+            batch = {r: 1 for r, n in left.items() if n > 0}
             if not batch:
                 break
-            output = self._forward(batch, {})
+            drafts = {}
+            if drafting is not None:
+                drafts = draft_step([(r, self._speculation(r, drafting), self.seqs[r].token_ids,
+                                      left[r]) for r in batch],
+                                    drafting.speculate, drafting.max_rows)
+                for request_id, draft in drafts.items():
+                    batch[request_id] += len(draft)
+            known = {r: len(self.seqs[r].token_ids) for r in batch}
+            output = self._forward(batch, drafts)
             if output is not None:
                 outputs.append(output)
             for request_id in batch:
                 seq = self.seqs[request_id]
-                if self._ends(seq, seq.token_ids[-1]):
+                new = seq.token_ids[known[request_id]:]
+                left[request_id] -= len(new)
+                if any(self._ends(seq, token_id) for token_id in new):
                     left[request_id] = 0
+                if request_id in drafts:
+                    # Positions past the last kept draft are computed again.
+                    seq.num_computed_tokens = len(seq.token_ids) - 1
+                    seq.speculation.record(len(drafts[request_id]), len(new) - 1)
+                    counts = drafted.setdefault(request_id, [0, 0])
+                    counts[0] += len(drafts[request_id])
+                    counts[1] += len(new) - 1
             if i + 1 < step.num_steps and self._cut_now():
                 break
         if self.tp.rank != 0:
@@ -477,7 +501,16 @@ class ModelRunner:
                           [t for o in outputs for t in o.token_ids],
                           [lp for o in outputs for lp in o.logprobs],
                           [top for o in outputs for top in o.top_logprobs],
-                          errors={r: e for o in outputs for r, e in o.errors.items()})
+                          errors={r: e for o in outputs for r, e in o.errors.items()},
+                          drafted={r: (n, k) for r, (n, k) in drafted.items()})
+
+    def _speculation(self, request_id: str, drafting: StepDrafting) -> SpeculationState:
+        """The request's n-gram index and drafting record on this rank, made at its first
+        multi-step with drafting."""
+        seq = self.seqs[request_id]
+        if seq.speculation is None:
+            seq.speculation = SpeculationState(drafting.min_n, drafting.max_n)
+        return seq.speculation
 
     def _ends(self, seq: _Seq, token_id: int) -> bool:
         params = seq.params

@@ -5,6 +5,7 @@ and keeps it, as a shard does, so runs are deterministic without a model."""
 from __future__ import annotations
 
 from engine.messages import StepInput, StepOutput
+from engine.speculation import SpeculationState, draft_step
 
 
 def next_token(token_ids: list[int]) -> int:
@@ -59,21 +60,46 @@ class FakeWorker:
         return StepOutput(ids, tokens, [0.0] * len(ids), [])
 
     def _multi_step(self, step: StepInput) -> StepOutput:
-        """Decode steps in turn, rows step after step; each request takes part in its
-        scheduled number of them."""
+        """Decode steps in turn, rows step after step; each request takes part until it has
+        taken its scheduled tokens. With `step.drafting`, each step drafts as a shard does
+        (engine.speculation.draft_step) and keeps the drafts that match what is drawn."""
         assert not step.draft_token_ids and not step.new_requests
         ids, tokens = [], []
+        left = dict(step.num_scheduled_tokens)
+        drafted: dict[str, tuple[int, int]] = {}
         stop_after = self.cuts.pop(0) if self.cuts else step.num_steps
-        for i in range(min(step.num_steps, stop_after)):
-            for rid, n in step.num_scheduled_tokens.items():
-                if n <= i:
+        for _ in range(min(step.num_steps, stop_after)):
+            drafts = {}
+            if step.drafting is not None:
+                d = step.drafting
+                for rid in left:
+                    self.seqs[rid].setdefault("spec", SpeculationState(d.min_n, d.max_n))
+                drafts = draft_step([(rid, self.seqs[rid]["spec"], self.seqs[rid]["tokens"], n)
+                                     for rid, n in left.items() if n > 0],
+                                    d.speculate, d.max_rows)
+                assert sum(map(len, drafts.values())) <= d.max_rows
+            for rid, n in left.items():
+                if n <= 0:
                     continue
                 seq = self.seqs[rid]
+                draft = drafts.get(rid, [])
+                assert len(draft) < n, "drafts past what the request may take"
                 assert seq["computed"] == len(seq["tokens"]) - 1, "a multi-step row not decoding"
-                seq["computed"] += 1
-                assert len(seq["blocks"]) * self.block_size >= seq["computed"], "no blocks"
-                ids.append(rid)
-                tokens.append(self.model(seq["tokens"]))
-                seq["tokens"].append(tokens[-1])
+                assert len(seq["blocks"]) * self.block_size >= seq["computed"] + 1 + len(draft), \
+                    "no blocks"
+                got = 0
+                for d_token in [*draft, None]:
+                    ids.append(rid)
+                    tokens.append(self.model(seq["tokens"]))
+                    seq["tokens"].append(tokens[-1])
+                    got += 1
+                    if tokens[-1] != d_token:
+                        break
+                seq["computed"] = len(seq["tokens"]) - 1
+                left[rid] -= got
+                if draft:
+                    seq["spec"].record(len(draft), got - 1)
+                    n_drafted, n_kept = drafted.get(rid, (0, 0))
+                    drafted[rid] = (n_drafted + len(draft), n_kept + got - 1)
         self.num_sampled += len(ids)
-        return StepOutput(ids, tokens, [0.0] * len(ids), [])
+        return StepOutput(ids, tokens, [0.0] * len(ids), [], drafted=drafted)

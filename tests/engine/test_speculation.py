@@ -92,7 +92,9 @@ def test_drafts_leave_every_output_unchanged_in_fewer_steps(num_blocks):
 
 
 def test_a_drafting_request_waits_for_its_step_and_counts_its_drafts_in_the_budget():
-    config = SchedulerConfig(max_model_len=1024, speculate=4, max_batch_prefill_tokens=64)
+    # Single steps: the scheduler's own drafts (a multi-step's are the shard's).
+    config = SchedulerConfig(max_model_len=1024, speculate=4, max_batch_prefill_tokens=64,
+                             num_scheduler_steps=1)
     s = Scheduler(config, CacheConfig(4, 64), frozenset({EOS}))
     w = FakeWorker(4, copying_model)
     s.add_request(Request("a", [11, 12, 13, 14, 15, 16, 17, 11, 12],
@@ -111,7 +113,7 @@ def test_a_drafting_request_waits_for_its_step_and_counts_its_drafts_in_the_budg
     assert request.num_computed_tokens == request.num_tokens - 1
     s.check_integrity()
     # A step budget of 3 tokens, one of them the decode's own: two drafts at most.
-    tight = Scheduler(SchedulerConfig(max_model_len=1024, speculate=4,
+    tight = Scheduler(SchedulerConfig(max_model_len=1024, speculate=4, num_scheduler_steps=1,
                                       max_batch_prefill_tokens=3), CacheConfig(4, 64))
     w = FakeWorker(4, copying_model)
     tight.add_request(Request("a", [11, 12, 13, 14, 15, 16, 17, 11, 12],
@@ -121,11 +123,13 @@ def test_a_drafting_request_waits_for_its_step_and_counts_its_drafts_in_the_budg
     assert out.step_input.draft_token_ids["a"] == [14, 15]
 
 
-def test_drafts_stay_within_the_length_limits():
-    outputs, s, _ = run(4, PROMPTS, max_new=6)
+@pytest.mark.parametrize("steps", [1, 4])  # the scheduler's drafts; a multi-step's
+def test_drafts_stay_within_the_length_limits(steps):
+    outputs, s, _ = run(4, PROMPTS, max_new=6, num_scheduler_steps=steps)
     assert all(len(out) == 6 for out in outputs.values())
-    outputs, s, _ = run(4, PROMPTS[:1], num_blocks=300, max_new=2000)
+    outputs, s, _ = run(4, PROMPTS[:1], num_blocks=300, max_new=2000, num_scheduler_steps=steps)
     assert len(PROMPTS[0]) + len(outputs["r0"]) == 1024  # max_model_len, not a token more
+    assert s.stats.num_accepted_tokens > 0
 
 
 def test_no_drafts_for_grammar_rows_or_a_full_batch():
@@ -139,7 +143,7 @@ def test_no_drafts_for_grammar_rows_or_a_full_batch():
         s.add_request(Request(f"r{i}", [11, 12, 13, 11, 12, 13], SamplingParams(), seed=0))
     for _ in range(5):
         out = s.schedule()
-        assert not out.step_input.draft_token_ids
+        assert not out.step_input.draft_token_ids and out.step_input.drafting is None
         s.update(out, w.step(out.step_input))
 
 
@@ -172,26 +176,62 @@ def test_with_two_steps_in_flight_only_as_many_wait_as_the_next_step_has_drafts_
     assert most_waiting == 1 and s.stats.num_accepted_tokens > 0
 
 
-def test_with_multi_steps_only_a_lone_request_or_a_batch_too_big_for_them_drafts():
-    """A draft makes its step a single step for the whole batch: with multi-steps on, a
-    request drafts while it runs alone, not beside 1-7 others (their multi-steps paid more,
-    benchmarks/NOTES.md 67), and again in a batch of more than 8, which never multi-steps."""
+def test_batches_that_multi_step_draft_inside_their_multi_steps():
+    """With multi-steps on, a batch of up to MULTI_STEP_MAX_ROWS requests drafts inside its
+    multi-steps, where the shard knows every token (StepDrafting): the scheduler sends no
+    drafts of its own, takes blocks for every token a request may keep, and a batch of
+    more than 8 (never a multi-step) drafts in single steps as before. Output equals
+    decoding without drafts, in fewer messages than multi-steps alone, with the drafts
+    counted."""
     from engine.scheduler import MULTI_STEP_MAX_ROWS
 
-    def drafted(num_requests: int, steps: int) -> bool:
+    prompts = [[11 + (i * 5 + j) % 13 for j in range(9 + i)] for i in range(MULTI_STEP_MAX_ROWS)]
+    plain, _, _ = run(0, prompts, num_blocks=256)
+    multi, _, multi_steps = run(0, prompts, num_blocks=256, num_scheduler_steps=4)
+    fast, s, fast_steps = run(4, prompts, num_blocks=256, num_scheduler_steps=4)
+    assert multi == plain and fast == plain
+    assert fast_steps < 0.8 * multi_steps
+    assert 0 < s.stats.num_accepted_tokens < s.stats.num_draft_tokens
+    alone, lone, _ = run(4, prompts[:1], num_blocks=256, num_scheduler_steps=4)
+    assert alone["r0"] == plain["r0"] and lone.stats.num_accepted_tokens > 0
+
+    def first_drafting_step(num_requests: int):
         config = SchedulerConfig(max_model_len=1024, speculate=4, speculate_max_rows=16,
-                                 num_scheduler_steps=steps)
+                                 num_scheduler_steps=4)
         s = Scheduler(config, CacheConfig(4, 256), frozenset({EOS}))
         w = FakeWorker(4, copying_model)
         for i in range(num_requests):
-            s.add_request(Request(f"r{i}", [11, 12, 13, 11, 12, 13], SamplingParams(), seed=0))
+            s.add_request(Request(f"r{i}", [11, 12, 13, 11, 12, 13],
+                                  SamplingParams(max_new_tokens=100), seed=0))
         for _ in range(6):
             out = s.schedule()
-            if out.step_input.draft_token_ids:
-                return True
+            if out.step_input.draft_token_ids or out.step_input.drafting:
+                return s, out
             s.update(out, w.step(out.step_input))
-        return False
+        raise AssertionError("no drafts")
 
-    assert drafted(1, 4) and drafted(MULTI_STEP_MAX_ROWS + 1, 4)
-    assert not drafted(2, 4) and not drafted(MULTI_STEP_MAX_ROWS, 4)
-    assert drafted(2, 1) and drafted(MULTI_STEP_MAX_ROWS, 1)  # single steps: as before
+    for num_requests in (1, MULTI_STEP_MAX_ROWS):
+        s, out = first_drafting_step(num_requests)
+        step = out.step_input
+        assert not step.draft_token_ids and step.num_steps == 4
+        assert step.drafting.speculate == 4 and step.drafting.max_rows == 16 - num_requests
+        # Blocks for 4 steps of 1 + 4 tokens: every draft could be kept.
+        assert set(step.num_scheduled_tokens.values()) == {20}
+        for request_id in step.num_scheduled_tokens:
+            request = s.requests[request_id]
+            assert len(s.block_manager.get_block_ids(request_id)) * 4 >= request.num_computed_tokens
+    s, out = first_drafting_step(MULTI_STEP_MAX_ROWS + 1)
+    assert out.step_input.draft_token_ids and out.step_input.num_steps == 1
+
+
+def test_a_multi_step_without_blocks_for_its_drafts_goes_without_them():
+    config = SchedulerConfig(max_model_len=1024, speculate=4, num_scheduler_steps=4)
+    s = Scheduler(config, CacheConfig(4, 6), frozenset({EOS}))  # 24 slots
+    w = FakeWorker(4, copying_model)
+    s.add_request(Request("a", [11, 12, 13, 11, 12, 13], SamplingParams(max_new_tokens=30),
+                          seed=0))
+    out = s.schedule()
+    s.update(out, w.step(out.step_input))
+    out = s.schedule()  # 6 computed; 4 steps of 5 tokens would need 26 slots, 4 of 1 fit
+    assert out.step_input.num_steps == 4 and out.step_input.drafting is None
+    assert out.step_input.num_scheduled_tokens == {"a": 4}

@@ -62,6 +62,10 @@ def test_greedy_output_is_the_same_with_drafts_in_fewer_steps(llm):
         assert b.text == a.text and b.finish_reason == a.finish_reason
     assert accepted > 0.5 * drafted > 0
     assert fast_steps <= plain_steps  # the batch lasts as long as its longest answer
+    # The batch in multi-steps: the shard drafts inside them.
+    multi, (_, multi_drafted, multi_accepted) = generate(llm, params)
+    assert [m.token_ids for m in multi] == [a.token_ids for a in plain]
+    assert multi_accepted > 0.5 * multi_drafted > 0
     # One request alone (concurrency 1): the copy takes well under a step a token.
     alone, (steps, _, accepted) = generate(llm, params, PROMPTS[:1])
     assert alone[0].token_ids == plain[0].token_ids
@@ -74,14 +78,15 @@ def test_seeded_sampling_with_penalties_and_logprobs_is_the_same_with_drafts(llm
     params = SamplingParams(max_new_tokens=40, temperature=0.7, top_p=0.9, seed=1234,
                             repetition_penalty=1.05, top_n_tokens=2)
     plain, _ = generate(llm, params, drafts=False)
-    # A batch drafts in single steps (with multi-steps, only a request alone drafts).
-    fast, (_, drafted, accepted) = generate(llm, params, num_scheduler_steps=1)
-    assert accepted > 0
-    for a, b in zip(plain, fast, strict=True):
-        assert b.token_ids == a.token_ids
-        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-3)
-        assert [[t for t, _ in top] for top in b.top_logprobs] == \
-            [[t for t, _ in top] for top in a.top_logprobs]
+    # The scheduler's drafts in single steps, and the shard's inside multi-steps.
+    for steps in (1, 4):
+        fast, (_, drafted, accepted) = generate(llm, params, num_scheduler_steps=steps)
+        assert accepted > 0
+        for a, b in zip(plain, fast, strict=True):
+            assert b.token_ids == a.token_ids
+            assert b.logprobs == pytest.approx(a.logprobs, abs=1e-3)
+            assert [[t for t, _ in top] for top in b.top_logprobs] == \
+                [[t for t, _ in top] for top in a.top_logprobs]
 
 
 def test_a_stop_string_inside_a_step_of_drafts_ends_there(llm):

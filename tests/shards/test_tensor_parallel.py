@@ -129,7 +129,8 @@ def test_async_scheduling_equals_transformers(llama_dir, tokenizer, tp, speculat
     samples into the next step, scheduled before the batcher knew them. At TP=2 with
     drafts (prompt lookup): rank 0 broadcasts which drafts each request kept; prompts that
     repeat themselves give the random-weight model text to copy. And multi-steps, which
-    arrivals cut short: rank 0 tells every rank where they end."""
+    arrivals cut short: rank 0 tells every rank where they end; inside them each rank
+    drafts for itself, from the same tokens, the same drafts."""
     prompts, new_tokens = make_prompts(2048, PARITY_LENGTHS, seed=1), PARITY_NEW_TOKENS
     if speculate:
         repeated = [p * 3 for p in make_prompts(2048, [33, 5, 12, 20], seed=0)]
@@ -142,7 +143,7 @@ def test_async_scheduling_equals_transformers(llama_dir, tokenizer, tp, speculat
         # Counted at submission over the futures not yet done: a done callback would run a
         # loop turn after the engine may already have seen the future done and started the
         # next step, and count one too many.
-        num_steps.append(step_input.num_steps)
+        num_steps.append((step_input.num_steps, step_input.drafting is not None))
         submitted.append(llm.group.step_async(step_input))
         most_in_flight[0] = max(most_in_flight[0], sum(not f.done() for f in submitted))
         return submitted[-1]
@@ -150,8 +151,8 @@ def test_async_scheduling_equals_transformers(llama_dir, tokenizer, tp, speculat
     async def main():
         engine = AsyncEngine(llm.engine, run_step, max_steps_in_flight=2,
                              interrupt=llm.group.cut_short)
-        # With multi-steps on, a request drafts only alone (or beside more than 8): the
-        # others wait until the first has decoded a while by itself.
+        # The first request decodes a while alone (multi-steps with the shard's drafts),
+        # then the others join: ten requests take single steps with the scheduler's drafts.
         first_alone = asyncio.Event()
 
         async def one(i, prompt, n):
@@ -175,7 +176,8 @@ def test_async_scheduling_equals_transformers(llama_dir, tokenizer, tp, speculat
         assert llm.engine.scheduler.block_manager.num_used_blocks == 0
         stats = llm.engine.scheduler.stats
         assert (stats.num_accepted_tokens > 0) == (speculate > 0)
-        assert max(num_steps) == multi_steps
+        assert max(n for n, _ in num_steps) == multi_steps
+        assert any(drafting for _, drafting in num_steps) == (speculate > 0)
     finally:
         llm.group.shutdown()
     assert outputs == [hf_greedy(llama_dir, p, n)
