@@ -533,8 +533,10 @@ class ModelRunner:
                  draft_token_ids: dict[str, list[int]]) -> StepOutput | None:
         """One forward over the requests' scheduled tokens (each request's mirror says
         where they start), sampling where a request reaches its last token."""
-        # Decodes first: the attention backend handles them as one batched call.
-        order = sorted(num_scheduled_tokens, key=lambda r: num_scheduled_tokens[r] != 1)
+        # Decodes first (drafting ones too): the attention backend handles them as one
+        # batched call.
+        order = sorted(num_scheduled_tokens, key=lambda r: (num_scheduled_tokens[r] != 1
+                                                            and r not in draft_token_ids))
         lora_runs: list[tuple[int, int, int]] = []  # (adapter slot, first row, end row)
         input_ids, positions, slots = [], [], []
         decodes, prefills = [], []
@@ -555,8 +557,12 @@ class ModelRunner:
             positions.extend(range(start, end))
             slots.extend(seq.block_ids[p // block_size] * block_size + p % block_size
                          for p in range(start, end))
-            if n == 1:
-                decodes.append((end, seq.block_ids))
+            if n == 1 or draft:
+                # A decode; with drafts, each of its rows attends as a decode of its own
+                # (the cache up to its position, its own new key included): one batched
+                # call, where a chunk of its own cost a call per layer and request
+                # (benchmarks/NOTES.md 69).
+                decodes.extend((p + 1, seq.block_ids) for p in range(start, end))
             else:
                 prefills.append((row0, row0 + n, start, seq.block_ids[: -(-end // block_size)]))
             if seq.params.prompt_logprobs and start < seq.num_prompt_tokens - 1:
