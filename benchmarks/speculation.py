@@ -95,7 +95,11 @@ async def load(model: str, prompts: list[str], concurrency: int, max_tokens: int
                ignore_eos: bool) -> dict:
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{compare.PORT}",
                                  timeout=1800) as client:
-        await one(client, model, "Hello", 4, False)  # warm
+        # Warm: a server just started is still settling (one cell at concurrency 1 read
+        # 61 tok/s first and 80 a minute later, NOTES.md 69), and a first draft of each
+        # shape is slower. Not a prompt of the cells: it would fill the prefix cache.
+        for prompt in grounded_prompts(2, seed=99):
+            await one(client, model, prompt, 48, False)
         sem = asyncio.Semaphore(concurrency)
 
         async def limited(prompt):

@@ -40,6 +40,12 @@ from engine.speculation import SpeculationState
 # overlap: at 16 and 32 requests multi-steps of 4 read 0.89-1.27x and 0.87-1.05x the
 # tok/s of single steps, at 1 1.08-1.45x (benchmarks/NOTES.md 65).
 MULTI_STEP_MAX_ROWS = 8
+# Drafts inside a multi-step fill its steps up to this many rows, the requests' own
+# included: a CPU step's cost grows with its rows (SmolLM2's Q4_1 blocks, in-process on an
+# AMD EPYC: 20, 26 and 31 ms for 1, 2 and 5 rows; 29, 45 and 81 ms for 4, 8 and 12), so
+# drafts pay at 1-4 requests and not at 8, where a draft each read 0.81-0.87x through
+# `serve run` (benchmarks/NOTES.md 69).
+MULTI_STEP_DRAFT_MAX_ROWS = 8
 
 
 @dataclass(slots=True)
@@ -269,7 +275,7 @@ class Scheduler:
         if num_steps == 1:
             return 1, None
         options: list[StepDrafting | None] = [None]
-        max_rows = self.config.speculate_max_rows - len(scheduled)
+        max_rows = min(self.config.speculate_max_rows, MULTI_STEP_DRAFT_MAX_ROWS) - len(scheduled)
         if self.config.speculate and max_rows > 0:
             options.insert(0, StepDrafting(self.config.speculate, max_rows,
                                            self.config.prompt_lookup_min,

@@ -177,15 +177,15 @@ def test_with_two_steps_in_flight_only_as_many_wait_as_the_next_step_has_drafts_
 
 
 def test_batches_that_multi_step_draft_inside_their_multi_steps():
-    """With multi-steps on, a batch of up to MULTI_STEP_MAX_ROWS requests drafts inside its
-    multi-steps, where the shard knows every token (StepDrafting): the scheduler sends no
-    drafts of its own, takes blocks for every token a request may keep, and a batch of
-    more than 8 (never a multi-step) drafts in single steps as before. Output equals
-    decoding without drafts, in fewer messages than multi-steps alone, with the drafts
-    counted."""
-    from engine.scheduler import MULTI_STEP_MAX_ROWS
+    """With multi-steps on, a batch of a few requests drafts inside its multi-steps, where
+    the shard knows every token (StepDrafting), filling their steps up to
+    MULTI_STEP_DRAFT_MAX_ROWS rows: the scheduler sends no drafts of its own and takes
+    blocks for every token a request may keep. A batch of 8 multi-steps without drafts, and
+    one of more than 8 (never a multi-step) drafts in single steps as before. Output equals
+    decoding without drafts, in fewer messages than multi-steps alone, drafts counted."""
+    from engine.scheduler import MULTI_STEP_DRAFT_MAX_ROWS, MULTI_STEP_MAX_ROWS
 
-    prompts = [[11 + (i * 5 + j) % 13 for j in range(9 + i)] for i in range(MULTI_STEP_MAX_ROWS)]
+    prompts = [[11 + (i * 5 + j) % 13 for j in range(9 + i)] for i in range(4)]
     plain, _, _ = run(0, prompts, num_blocks=256)
     multi, _, multi_steps = run(0, prompts, num_blocks=256, num_scheduler_steps=4)
     fast, s, fast_steps = run(4, prompts, num_blocks=256, num_scheduler_steps=4)
@@ -195,7 +195,7 @@ def test_batches_that_multi_step_draft_inside_their_multi_steps():
     alone, lone, _ = run(4, prompts[:1], num_blocks=256, num_scheduler_steps=4)
     assert alone["r0"] == plain["r0"] and lone.stats.num_accepted_tokens > 0
 
-    def first_drafting_step(num_requests: int):
+    def first_step_of_plain_decodes(num_requests: int):
         config = SchedulerConfig(max_model_len=1024, speculate=4, speculate_max_rows=16,
                                  num_scheduler_steps=4)
         s = Scheduler(config, CacheConfig(4, 256), frozenset({EOS}))
@@ -203,25 +203,25 @@ def test_batches_that_multi_step_draft_inside_their_multi_steps():
         for i in range(num_requests):
             s.add_request(Request(f"r{i}", [11, 12, 13, 11, 12, 13],
                                   SamplingParams(max_new_tokens=100), seed=0))
-        for _ in range(6):
-            out = s.schedule()
-            if out.step_input.draft_token_ids or out.step_input.drafting:
-                return s, out
-            s.update(out, w.step(out.step_input))
-        raise AssertionError("no drafts")
+        out = s.schedule()  # the prompts
+        s.update(out, w.step(out.step_input))
+        return s, s.schedule().step_input
 
-    for num_requests in (1, MULTI_STEP_MAX_ROWS):
-        s, out = first_drafting_step(num_requests)
-        step = out.step_input
+    for num_requests in (1, 4):
+        s, step = first_step_of_plain_decodes(num_requests)
         assert not step.draft_token_ids and step.num_steps == 4
-        assert step.drafting.speculate == 4 and step.drafting.max_rows == 16 - num_requests
+        assert step.drafting.speculate == 4
+        assert step.drafting.max_rows == MULTI_STEP_DRAFT_MAX_ROWS - num_requests
         # Blocks for 4 steps of 1 + 4 tokens: every draft could be kept.
         assert set(step.num_scheduled_tokens.values()) == {20}
         for request_id in step.num_scheduled_tokens:
             request = s.requests[request_id]
             assert len(s.block_manager.get_block_ids(request_id)) * 4 >= request.num_computed_tokens
-    s, out = first_drafting_step(MULTI_STEP_MAX_ROWS + 1)
-    assert out.step_input.draft_token_ids and out.step_input.num_steps == 1
+    _, step = first_step_of_plain_decodes(MULTI_STEP_MAX_ROWS)
+    assert step.num_steps == 4 and step.drafting is None and not step.draft_token_ids
+    assert set(step.num_scheduled_tokens.values()) == {4}
+    _, step = first_step_of_plain_decodes(MULTI_STEP_MAX_ROWS + 1)
+    assert step.draft_token_ids and step.num_steps == 1
 
 
 def test_a_multi_step_without_blocks_for_its_drafts_goes_without_them():
