@@ -58,7 +58,7 @@ class StepInput:
     # step's requests are read: every rank changes its adapters at the same point.
     adapter_changes: list[tuple[str, str | None]] = field(default_factory=list)
     # Above 1, a multi-step: every request decodes, in up to this many steps one after
-    # another (its scheduled tokens: how many it takes part in), each step fed the tokens
+    # another (its scheduled tokens: the most it may take, one a step), each step fed the tokens
     # the one before it drew. A rank stops a request's steps at its end-of-sequence or stop
     # token, and rank 0 may cut them all short (ModelRunner.cut_short). With `drafting`,
     # a request's scheduled tokens are the most it may take (drafts kept count), and each

@@ -502,7 +502,7 @@ class ModelRunner:
                           [lp for o in outputs for lp in o.logprobs],
                           [top for o in outputs for top in o.top_logprobs],
                           errors={r: e for o in outputs for r, e in o.errors.items()},
-                          drafted={r: (n, k) for r, (n, k) in drafted.items()})
+                          drafted={r: tuple(counts) for r, counts in drafted.items()})
 
     def _speculation(self, request_id: str, drafting: StepDrafting) -> SpeculationState:
         """The request's n-gram index and drafting record on this rank, made at its first

@@ -100,3 +100,24 @@ def test_a_stop_string_inside_a_step_of_drafts_ends_there(llm):
     assert fast[0].finish_reason is FinishReason.STOP_SEQUENCE
     assert fast[0].text == text[: text.index(stop)]
     assert fast[0].token_ids == plain[0].token_ids[: len(fast[0].token_ids)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_draft_rows_score_as_decoding_one_step_at_a_time(llama_dir, backend):
+    """Each row of a drafting request attends as a decode of its own (its context: the
+    cache up to its position): the tokens and logprobs a step of drafts gives equal those
+    of decoding one step at a time, on the reference backend and raygen's CPU kernel."""
+    from engine.messages import NewRequestData, StepInput
+    from tests.reference import make_prompts
+
+    llm = LLM(llama_dir, attention_backend=backend, num_blocks=64, num_scheduler_steps=1)
+    prompt = make_prompts(2048, [21], seed=3)[0]
+    params = SamplingParams(max_new_tokens=6)
+    ref = llm.generate([prompt], params)[0]  # one step a token, no drafts
+    runner = llm.runner  # every block is free again: the request below takes 0-3
+    first = runner.step(StepInput([NewRequestData("d", list(prompt), len(prompt), [0, 1, 2, 3],
+                                                  0, params, 0)], [], {"d": len(prompt)}))
+    drafts = ref.token_ids[1:5]  # what decoding drew: every draft is kept
+    out = runner.step(StepInput([], [], {"d": 1 + len(drafts)}, draft_token_ids={"d": drafts}))
+    assert first.token_ids + out.token_ids == ref.token_ids
+    assert first.logprobs + out.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
