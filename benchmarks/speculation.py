@@ -10,7 +10,10 @@ requests to each, greedy, through `/v1/chat/completions`:
 - `free`: answers that copy nothing (random words in, `ignore_eos`), at
   `--free-concurrency`: what speculation may cost when it does not pay.
 Reports output tokens/s per cell, the ratio to `speculate=0`, the acceptance counters from
-`/metrics`, and whether every greedy answer was the same in both servers. `--peers
+`/metrics`, and whether every greedy answer was the same in both servers. `--passes 2`
+runs the servers in turn forward, then backward, and reports each cell's mean: in one pass
+the server that goes second reads the machine's drift (free answers at 16 read 0.87-0.89x
+with `speculate=4` second and 1.00x with it first, benchmarks/NOTES.md 69). `--peers
 llama-server` also drives llama.cpp's server (built by `make peers`) on the same file and
 requests, and reports raygen with drafts against it."""
 
@@ -138,8 +141,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--peers", default="", help="comma list of benchmarks.compare servers "
                    "to run on the same requests (llama-server)")
+    p.add_argument("--passes", type=int, default=1, help="run the servers this many times, "
+                   "in turn forward and backward (a machine that drifts during a run favours "
+                   "whichever server goes first); each cell's tok/s is the mean of its passes")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     return p.parse_args(argv)
+
+
+def run_server(server, cells, args, log_path: Path, peer: bool) -> dict:
+    """Start one server, drive every cell, stop it: the cells' rows."""
+    proc = compare.start(server, log_path)
+    rows = {}
+    try:
+        for kind, c in cells:
+            n = max(args.min_requests, args.requests_per_concurrency * c)
+            prompts = grounded_prompts(n, seed=c) if kind == "grounded" else free_prompts(n, c)
+            before = {} if peer else counters()
+            row = asyncio.run(load(args.model, prompts, c, args.max_tokens, kind == "free"))
+            after = {} if peer else counters()
+            row.update({k.removeprefix("raygen_speculation_").removesuffix("_total"):
+                        after[k] - before[k] for k in after})
+            rows[f"{kind}@{c}"] = row
+            print(f"  {kind} c={c}: {row['output_tok_s']} tok/s, {row['output_tokens']} "
+                  f"tokens, drafts {row.get('draft_tokens', 0):.0f} kept "
+                  f"{row.get('accepted_tokens', 0):.0f}", flush=True)
+    finally:
+        compare.stop(proc, server.stop_signal)
+    return rows
+
+
+def merge_passes(passes: list[dict]) -> dict:
+    """One server's cells over its passes: tok/s the mean, drafts summed, the first pass's
+    texts and token counts (greedy: every pass answers the same)."""
+    merged = {}
+    for cell, first in passes[0].items():
+        rows = [p[cell] for p in passes]
+        merged[cell] = {**first, "output_tok_s": round(sum(r["output_tok_s"] for r in rows)
+                                                       / len(rows), 2),
+                        "passes_tok_s": [r["output_tok_s"] for r in rows]}
+        for key in ("draft_tokens", "accepted_tokens"):
+            if key in first:
+                merged[cell][key] = sum(r[key] for r in rows)
+    return merged
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -155,27 +198,14 @@ def main(argv: list[str] | None = None) -> dict:
     servers = compare.make_servers(ns)
     results: dict = {"model": args.model, "machine": compare.machine_description(args.model),
                      "started": time.strftime("%Y-%m-%d %H:%M:%S"), "servers": {}}
-    for server in servers:
-        print(f"== {server.name}", flush=True)
-        peer = server.key in peers
-        proc = compare.start(server, out_dir / f"speculation-{len(results['servers'])}.log")
-        rows = {}
-        try:
-            for kind, c in cells:
-                n = max(args.min_requests, args.requests_per_concurrency * c)
-                prompts = grounded_prompts(n, seed=c) if kind == "grounded" else free_prompts(n, c)
-                before = {} if peer else counters()
-                row = asyncio.run(load(args.model, prompts, c, args.max_tokens, kind == "free"))
-                after = {} if peer else counters()
-                row.update({k.removeprefix("raygen_speculation_").removesuffix("_total"):
-                            after[k] - before[k] for k in after})
-                rows[f"{kind}@{c}"] = row
-                print(f"  {kind} c={c}: {row['output_tok_s']} tok/s, {row['output_tokens']} "
-                      f"tokens, drafts {row.get('draft_tokens', 0):.0f} kept "
-                      f"{row.get('accepted_tokens', 0):.0f}", flush=True)
-        finally:
-            compare.stop(proc, server.stop_signal)
-        results["servers"][server.key] = rows
+    passes: dict[str, list[dict]] = {server.key: [] for server in servers}
+    for i in range(args.passes):
+        for server in servers if i % 2 == 0 else servers[::-1]:
+            print(f"== {server.name} (pass {i + 1})", flush=True)
+            log_path = out_dir / f"speculation-{server.key.replace('@', '-')}-{i + 1}.log"
+            passes[server.key].append(run_server(server, cells, args, log_path,
+                                                 server.key in peers))
+    results["servers"] = {key: merge_passes(rows) for key, rows in passes.items()}
     base, spec = (results["servers"][k] for k in keys)
     print(f"\n| cell | speculate=0 tok/s | speculate={args.speculate} tok/s | ratio | drafts kept "
           f"| same answers |\n|---|---|---|---|---|---|")
