@@ -17,7 +17,7 @@ from deployments.app import check_model
 from deployments.config import AppArgs
 from deployments.offline import LLM
 from engine.sampling_params import SamplingParams
-from shards.checkpoints.gguf_weights import check_tensor_types, hf_name, iter_gguf
+from shards.checkpoints.gguf_weights import check_tensor_types, dequantize, hf_name, iter_gguf
 from shards.checkpoints.resolve import CheckpointError, find_gguf, model_dir
 from shards.model.layers import set_quant_rows
 from tests.reference import smollm2_gguf, smollm2_transformers
@@ -48,6 +48,26 @@ def test_gguf_greedy_equals_transformers_gguf_loading():
         expected = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                max_new_tokens=20)[0, len(prompt):].tolist()
         assert output.token_ids == expected
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_blocks_dequantize_bit_for_bit_as_the_gguf_package_does(qtype):
+    """raygen's dequantization (torch) against the `gguf` package's (numpy), bit for bit:
+    random blocks with an infinite and a zero scale, and the real file's tensors."""
+    kind = gguf.GGMLQuantizationType[qtype]
+    x = (np.random.default_rng(0).standard_normal((9, 320)) * 3).astype(np.float32)
+    x[1] = 0.0
+    blocks = gguf.quants.quantize(x, kind)
+    blocks[0, :2] = np.frombuffer(np.float16(np.inf).tobytes(), np.uint8)
+    cases = [blocks, blocks[2:5]]
+    cases += [np.asarray(t.data[:40]) for t in gguf.GGUFReader(SMOLLM2).tensors
+              if t.tensor_type == kind][:2]
+    for data in cases:
+        with np.errstate(invalid="ignore"):  # the infinite scale times a zero: NaN in both
+            ours, theirs = dequantize(data, kind), gguf.quants.dequantize(data, kind)
+        assert ours.dtype == np.float32 and ours.shape == theirs.shape
+        assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+    assert len(cases) == 2 + {"Q4_0": 0, "Q4_1": 2, "Q8_0": 1}[qtype]  # the file's tensors
 
 
 def test_a_rank_reads_its_heads_in_transformers_order():
