@@ -36,7 +36,7 @@ def dequantize(data: np.ndarray, qtype) -> np.ndarray:
     """float32 values of rows of quantization blocks. Q4_0, Q4_1 and Q8_0 (what llama.cpp's
     small models are made of) in torch's threaded elementwise ops, the same arithmetic as
     the `gguf` package's (each product and sum rounded to float32 as it goes: bit for bit
-    its values, tests/shards/test_checkpoint.py) in a fifth of its time; the other types
+    its values, tests/shards/test_checkpoint.py) in a third of its time; the other types
     through that package."""
     import gguf
 
