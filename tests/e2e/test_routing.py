@@ -36,13 +36,8 @@ def server(llama_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def sessions(server, llama_dir):
     tokenizer = AutoTokenizer.from_pretrained(llama_dir)
-    names = ("one", "two")
-
-    async def both() -> list[dict]:  # side by side: the turns' think time is most of it
-        return await asyncio.gather(*(run_sessions(f"{BASE}/{name}", llama_dir, tokenizer,
-                                                   WORKLOAD) for name in names))
-
-    results = dict(zip(names, asyncio.run(both()), strict=True))
+    results = {name: asyncio.run(run_sessions(f"{BASE}/{name}", llama_dir, tokenizer, WORKLOAD))
+               for name in ("one", "two")}
     return results, poll_metrics(f"{BASE}/two/metrics"), tokenizer
 
 
