@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import os
+import sys
+import threading
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -66,6 +69,23 @@ def pytest_configure(config):
         return init(*args, **kwargs)
 
     ray.init = guarded_init
+
+    shutdown = ray.shutdown
+
+    def joined_shutdown(*args, **kwargs):
+        """A thread still inside Ray's API when Ray shuts down can crash the process later
+        (ray-project/ray#31145: the suite once ended in a segfault after every test had
+        passed): let a shut-down shard group's threads end first, and name any that do not."""
+        deadline = time.monotonic() + 10
+        for thread in threading.enumerate():
+            if thread.name.startswith(("shard-group", "shard-watchdog", "shard-graph")):
+                thread.join(max(0.0, deadline - time.monotonic()))
+                if thread.is_alive():
+                    print(f"\nconftest: thread {thread.name} outlives ray.shutdown",
+                          file=sys.stderr)
+        return shutdown(*args, **kwargs)
+
+    ray.shutdown = joined_shutdown
 
 
 @pytest.fixture(scope="session")
