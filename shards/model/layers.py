@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shards.checkpoints.gguf_weights import BF16_KERNEL_TYPE
+from shards.checkpoints.gguf_weights import BF16_KERNEL_TYPE, KERNEL_TYPES
 
 # oneDNN picks its weight layout for this many rows; 32 served every row count a step
 # has (1 to a prefill's hundreds) as well as or better than the others measured.
@@ -139,8 +139,6 @@ def pack_quantized(model: nn.Module, kernels: Any, int8: bool = False) -> dict[s
     read (`_keep_blocks`) those blocks, one uint8 row of blocks per output row, to multiply
     by (`_Matmul.quant`; no step uses them until `set_quant_rows`), by x rounded to int8
     blocks where `int8`. Returns the count of linears by type."""
-    from shards.checkpoints.gguf_weights import KERNEL_TYPES
-
     counts: dict[str, int] = {}
     for module in model.modules():
         parts = getattr(getattr(module, "weight", None), "gguf_blocks", None)
@@ -192,10 +190,21 @@ def quantized(model: nn.Module) -> list[_Matmul]:
     return [m for m in model.modules() if isinstance(m, _Matmul) and m.quant is not None]
 
 
-def time_quant_products(model: nn.Module, rows: int, rounds: int = 3) -> tuple[float, float]:
-    """Seconds for `rows` rows through every linear that has quantization blocks: (how
-    the step multiplies without them, the blocks), each the best of `rounds` passes."""
-    linears = quantized(model)
+def quant_groups(model: nn.Module) -> dict[str, list[_Matmul]]:
+    """The linears that have quantization blocks, by kind: weight shape (N x K) and block
+    type, so that one group is the same product in every layer (its timing holds for all)."""
+    names = {code: name for name, code in {**KERNEL_TYPES, "BF16": BF16_KERNEL_TYPE}.items()}
+    groups: dict[str, list[_Matmul]] = {}
+    for m in quantized(model):
+        kind = names.get(m.quant_type, str(m.quant_type))
+        groups.setdefault(f"{m.weight_shape[0]}x{m.weight_shape[1]} {kind}", []).append(m)
+    return groups
+
+
+def time_quant_products(linears: list[_Matmul], rows: int,
+                        rounds: int = 3) -> tuple[float, float]:
+    """Seconds for `rows` rows through `linears` (ones with quantization blocks): (how the
+    step multiplies without them, the blocks), each the best of `rounds` passes."""
     generator = torch.Generator().manual_seed(0)
     inputs = [torch.randn(rows, m.weight_shape[1], generator=generator) for m in linears]
 

@@ -39,10 +39,10 @@ from shards.model.layers import (
     onednn_usable,
     pack_for_onednn,
     pack_quantized,
+    quant_groups,
     quantize_linears,
     quantized,
     set_copy_rows,
-    set_quant_rows,
     time_bf16_products,
     time_copy_products,
     time_quant_products,
@@ -102,11 +102,16 @@ def panels_pay(rows: int, onednn_s: float, panels_s: float) -> bool:
     return panels_s <= ratio * onednn_s
 
 
-# A GGUF file's quantized weights serve the steps of up to the most rows timed here at
-# start-up where its blocks beat the float32 path by a tenth, each timing run only where
-# the one before it passed (benchmarks/NOTES.md 56).
-QUANT_TIMED_ROWS = (1, 4, 8, 16, 32)
-QUANT_MAX_RATIO = 0.9
+# Each kind of linear with a GGUF file's quantized weights multiplies by its blocks in the
+# steps of up to the most rows timed here at start-up where they beat the float32 path,
+# each timing run only where the one before it passed (benchmarks/NOTES.md 56). Timed
+# alone they do worse than inside a step, where reading a fifth of the bytes leaves the
+# caches to the rest of it: in steps of 10-14 rows of SmolLM2's Q4_1 file on an AMD EPYC,
+# blocks for every linear took 0.79-0.93x the time that the float path for the linears
+# whose timing said 0.9-1.0x did; so a tie is enough (NOTES.md 71). 12 and 24: the
+# blocks' lead ends between the powers of two.
+QUANT_TIMED_ROWS = (1, 4, 8, 12, 16, 24, 32)
+QUANT_MAX_RATIO = 1.0
 # bfloat16 weights: steps bigger than the block kernel's go through float32 copies of them
 # where oneDNN's float32 product takes at most this share of its bfloat16 one at 128 rows.
 BF16_TIMED_ROWS = 128
@@ -171,12 +176,14 @@ class ModelRunner:
         self.weight_copy: str | None = None
         self.panel_rows: tuple[int, int] | None = None
         self.panel_timings: dict[int, tuple[float, float]] | None = None
-        # A GGUF file's quantization blocks: steps of up to `quant_rows` rows multiply by
-        # them; (float path, blocks) seconds by rows timed.
+        # A GGUF file's quantization blocks: each kind of linear (shape, block type) uses
+        # them for the steps of up to `quant_rows_by_kind[kind]` rows, every linear for
+        # those of up to `quant_rows`; by kind, (float path, blocks) seconds by rows timed.
         self.quant_rows = 0
+        self.quant_rows_by_kind: dict[str, int] = {}
         self.quant_types: dict[str, int] = {}
         self.quant_int8 = False  # the blocks multiply x rounded to int8 (quant_products)
-        self.quant_timings: dict[int, tuple[float, float]] = {}
+        self.quant_timings: dict[str, dict[int, tuple[float, float]]] = {}
         self.bf16_timings: tuple[float, float] | None = None  # (bf16, widened) at 128 rows
         # Torch's threads bound one per core (cpu_plan.bind_torch_threads): this thread,
         # which must be the one that runs the steps, and its OpenMP team.
@@ -328,22 +335,28 @@ class ModelRunner:
 
     def _time_quantized(self) -> None:
         """Keep the quantization blocks (or the bfloat16 kernel) for the steps they make
-        faster, timed here."""
-        up_to = 0
-        for rows in QUANT_TIMED_ROWS:
-            float_s, blocks_s = self.quant_timings[rows] = time_quant_products(self.model, rows)
-            if blocks_s > QUANT_MAX_RATIO * float_s:
-                break
-            up_to = rows
-        set_quant_rows(self.model, up_to)
-        self.quant_rows = up_to
-        timings = "; ".join(f"{rows} row(s): {a * 1e3:.2f} ms without, {b * 1e3:.2f} ms with"
-                            for rows, (a, b) in self.quant_timings.items())
-        types = ", ".join(f"{n} {kind}" for kind, n in sorted(self.quant_types.items()))
-        logger.info("raygen's block kernel (%s linears, %s): %s: %s", types,
-                    "x rounded to int8 blocks, products in integers" if self.quant_int8
-                    else "x in float32", timings,
-                    f"used for steps of 1-{up_to} rows" if up_to else "not used")
+        faster, timed here for each kind of linear (shape and block type): where their lead
+        ends differs by kind (SmolLM2's Q4_1 file on an AMD EPYC, 16 rows: the attention
+        and down projections' blocks took 0.7-0.8x the float path's time, the LM head's
+        Q8_0 ones 1.2x; NOTES.md 71)."""
+        for kind, linears in quant_groups(self.model).items():
+            timings = self.quant_timings[kind] = {}
+            up_to = 0
+            for rows in QUANT_TIMED_ROWS:
+                float_s, blocks_s = timings[rows] = time_quant_products(linears, rows)
+                if blocks_s > QUANT_MAX_RATIO * float_s:
+                    break
+                up_to = rows
+            for m in linears:
+                m.quant_rows = up_to
+            self.quant_rows_by_kind[kind] = up_to
+            logger.info("raygen's block kernel, %d linears of %s (%s): %s: %s", len(linears),
+                        kind, "x rounded to int8 blocks, products in integers"
+                        if self.quant_int8 else "x in float32",
+                        "; ".join(f"{rows} row(s) {a * 1e3:.2f} ms without, {b * 1e3:.2f} "
+                                  f"ms with" for rows, (a, b) in timings.items()),
+                        f"used for steps of 1-{up_to} rows" if up_to else "not used")
+        self.quant_rows = min(self.quant_rows_by_kind.values(), default=0)
 
     def _time_weight_copy(self, panels: bool) -> None:
         """Keep the weight copy for the steps it makes faster, timed here on this rank's
@@ -387,6 +400,7 @@ class ModelRunner:
             "activation_dtype": str(self.dtype).removeprefix("torch."),
             "attention_backend": self.backend.name,
             "quant_blocks": ({"types": self.quant_types, "steps_up_to_rows": self.quant_rows,
+                              "steps_up_to_rows_by_linear": self.quant_rows_by_kind,
                               "x": "int8" if self.quant_int8 else "float32"}
                              if self.quant_types else None),
         }

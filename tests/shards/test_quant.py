@@ -158,3 +158,28 @@ def test_a_float_checkpoint_quantized_at_load_scores_near_its_float_weights(llam
                          ({"model": "x.gguf"}, "is a GGUF file")):
         with pytest.raises(ValueError, match=message):
             AppArgs(**{"model": llama_dir, "quantize": "q8_0", **bad})
+
+
+def test_each_kind_of_linear_keeps_its_blocks_up_to_its_own_timed_rows(llama_dir, monkeypatch):
+    """The start-up timing runs per kind of linear (weight shape and block type): each keeps
+    its blocks for the steps of up to the most rows where they were at least as fast as the
+    float path, and `quant_rows` (every linear's) is the least of those. Here the timings
+    are set: blocks lose from 12 rows on for the attention's output projection (the one
+    square weight), from 4 for the rest."""
+    from deployments.offline import LLM
+    from shards.model.layers import _Matmul
+    from shards.worker import model_runner
+
+    def timed(linears, rows, rounds=3):
+        n, k = linears[0].weight_shape
+        return 1.0, (1.5 if rows >= (12 if n == k else 4) else 1.0)  # (float path, blocks)
+
+    monkeypatch.setattr(model_runner, "time_quant_products", timed)
+    runner = LLM(llama_dir, num_blocks=64, quantize="q8_0").runner
+    by_kind = runner.compute_path()["quant_blocks"]["steps_up_to_rows_by_linear"]
+    assert len(by_kind) >= 3 and all(kind.endswith(" Q8_0") for kind in by_kind)
+    assert sorted(set(by_kind.values())) == [1, 8] and runner.quant_rows == 1
+    for name, m in runner.model.named_modules():
+        if isinstance(m, _Matmul) and m.quant is not None:
+            assert m.quant_rows == (8 if name.endswith("o_proj") else 1), name
+            assert by_kind[f"{m.weight_shape[0]}x{m.weight_shape[1]} Q8_0"] == m.quant_rows

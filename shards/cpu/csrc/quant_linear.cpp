@@ -229,17 +229,20 @@ void with_rows(int mr, Run&& run) {
 
 // tile(MR, NR', r, n) for every tile of out[M, N]: threads claim 16 output rows at a time
 // (claim.h), cut into tiles of NR weight rows (the last ones of a task one at a time,
-// NR' = 1) by up to MAXR rows of x.
+// NR' = 1) by up to MAXR rows of x, as even as they go: 9 rows as 5 + 4, not 8 + 1, whose
+// one-row tile has a single chain of FMAs, each waiting on the one before.
 template <int NR, int MAXR, typename Tile>
 void over_tiles(int64_t M, int64_t N, Tile&& tile) {
   const int64_t tasks = (N + kTaskRows - 1) / kTaskRows;
+  const int64_t x_tiles = (M + MAXR - 1) / MAXR;
+  const int64_t per_tile = (M + x_tiles - 1) / x_tiles;
   for_each_claimed(tasks, [&] {
     return [&](int64_t task) {
       const int64_t n1 = std::min(N, (task + 1) * kTaskRows);
       for (int64_t n = task * kTaskRows; n < n1; n += NR) {
         const bool whole = n + NR <= n1;
-        for (int64_t r = 0; r < M; r += MAXR) {
-          with_rows(static_cast<int>(std::min<int64_t>(MAXR, M - r)), [&](auto mr) {
+        for (int64_t r = 0; r < M; r += per_tile) {
+          with_rows(static_cast<int>(std::min<int64_t>(per_tile, M - r)), [&](auto mr) {
             if (whole) {
               tile(mr, Int<NR>{}, r, n);
             } else {
