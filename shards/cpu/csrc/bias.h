@@ -2,7 +2,7 @@
 // data, kept alive in `holder` (both linear kernels take it the same way).
 #pragma once
 
-#include <ATen/ATen.h>
+#include "tensor.h"
 
 #include <optional>
 

@@ -3,7 +3,7 @@
 // ran 36 of each for checks on a few dozen integers (benchmarks/NOTES.md 50).
 #pragma once
 
-#include <ATen/ATen.h>
+#include "tensor.h"
 
 #include <cstdint>
 

@@ -1,4 +1,6 @@
-#include <torch/extension.h>
+// pybind11 and its Tensor casters alone: <torch/extension.h> brings the whole C++ frontend
+// (20 s more to compile).
+#include <torch/csrc/utils/pybind.h>
 
 #include "ops.h"
 

@@ -2,7 +2,7 @@
 // .cpp here into it and module.cpp registers them.
 #pragma once
 
-#include <ATen/ATen.h>
+#include "tensor.h"
 
 #include <optional>
 #include <vector>
