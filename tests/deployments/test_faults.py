@@ -1,5 +1,6 @@
 """Faults and overload on a live Serve app: disconnect storms, KV exhaustion, deadlines,
-a shard or a whole batcher replica dying. Nothing accepted may hang or vanish."""
+steps longer than every deadline, a shard or a whole batcher replica dying. Nothing
+accepted may hang or vanish."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from deployments.config import AppArgs
 from deployments.ingress import HEALTH_TIMEOUT_S
 from deployments.offline import LLM
 from engine.sampling_params import SamplingParams
-from tests.doubles import slow_model, slow_steps_runtime_env
+from tests.doubles import set_slow_steps, slow_model, slow_steps_runtime_env
+from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.integration  # Ray in the test process
 
@@ -27,12 +29,23 @@ PORT = 8124
 BASE = f"http://127.0.0.1:{PORT}"
 
 
+# The owner apps' shards sleep this long before each step that admits requests
+# (tests/doubles.py), but in the long-step test.
+OWNER_STEP_S = 2.0
+# Longer than the old deadlines: the watchdog interval (1 s), the shard health-check call
+# (10 s, queued behind the step) and Ray's compiled-graph read (RAY_CGRAPH_get_timeout, 10 s);
+# Serve health-checks the batcher replica every 2 s (health_check_period_s), five times a step.
+LONG_STEP_S = 11.0
+SLOW: dict[str, str] = {}  # the slow model's path, and the file of its delay
+
+
 @pytest.fixture(scope="module")
 def apps(llama_dir, tmp_path_factory):
-    # The owner apps' shards sleep 2 s before each step that admits requests (tests/doubles.py).
-    slow = slow_model(llama_dir, tmp_path_factory.mktemp("slow"))
+    slow = SLOW["model"] = slow_model(llama_dir, tmp_path_factory.mktemp("slow"))
+    delays = SLOW["delays"] = tmp_path_factory.mktemp("slow-steps") / "delays.json"
+    set_slow_steps(delays, {slow: OWNER_STEP_S})
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             runtime_env=slow_steps_runtime_env({slow: 2.0}))
+             runtime_env=slow_steps_runtime_env(delays))
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     specs = [
         ("faults", "/", AppArgs(model=llama_dir, max_concurrent_requests=512, num_blocks=1024,
@@ -41,10 +54,10 @@ def apps(llama_dir, tmp_path_factory):
         ("slow", "/slow", AppArgs(model=llama_dir, request_timeout=1.0, num_blocks=512)),
     ]
     # An app per step pipeline depth, slow admitting steps: one step in flight (TP=2, a
-    # compiled graph) and two (TP=1, async scheduling).
-    for mode, tp in (("sync", 2), ("async", 1)):
+    # compiled graph) and two (TP=1 on one thread, async scheduling).
+    for mode, knobs in (("sync", {"tensor_parallel_size": 2}), ("async", {"cpu_threads": 1})):
         specs.append((f"owner-{mode}", f"/owner-{mode}",
-                      AppArgs(model=slow, num_blocks=256, tensor_parallel_size=tp)))
+                      AppArgs(model=slow, num_blocks=256, **knobs)))
     # Deployed together: their replicas start side by side instead of one app after another.
     serve.run_many([serve.RunTarget(build_app(args), name=name, route_prefix=prefix)
                     for name, prefix, args in specs])
@@ -146,6 +159,44 @@ def test_the_client_whose_request_started_the_step_loop_leaving_fails_no_one_els
     # B's outputs came through the output channel that the first client's request opened:
     # that channel too outlives the request whose call happened to open it.
     assert s["output_channels"]["tokens"] >= 8, s["output_channels"]
+
+
+def test_long_steps_complete_equal_transformers_and_health_stays_200(apps, llama_dir,
+                                                                     tokenizer):
+    """A step's duration is never a failure: steps longer than every deadline the step path
+    ever had complete at tensor_parallel_size=2 (compiled graph) and at TP=1 on one thread
+    (actor calls), while Serve health-checks the replica and /health is asked."""
+    prompts = ["Tona sefi mole dasu kari", "Zuti guyoyi fiul eesordi"]
+    owners = ("owner-sync", "owner-async")
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as client:
+            requests = asyncio.gather(*(
+                client.post(f"{BASE}/{app}/generate", json={
+                    "inputs": p, "parameters": {"max_new_tokens": 8, "details": True}})
+                for app in owners for p in prompts))
+            health = []
+            while not requests.done():
+                for app in owners:
+                    health.append((await client.get(f"{BASE}/{app}/health")).status_code)
+                await asyncio.sleep(1)
+            return await requests, health
+
+    set_slow_steps(SLOW["delays"], {SLOW["model"]: LONG_STEP_S})
+    try:
+        responses, health = asyncio.run(main())
+    finally:
+        set_slow_steps(SLOW["delays"], {SLOW["model"]: OWNER_STEP_S})
+    assert len(health) >= 2 * LONG_STEP_S / 2 and set(health) == {200}, health
+    expected = [hf_greedy(llama_dir, tokenizer(p).input_ids, 8) for p in prompts]
+    for i, response in enumerate(responses):
+        assert response.status_code == 200, response.text
+        assert [t["id"] for t in response.json()["details"]["tokens"]] == expected[i % 2]
+    for app in owners:
+        assert httpx.get(f"{BASE}/{app}/health", timeout=15).status_code == 200
+        s = stats(app)
+        assert s["healthy"] and s["integrity"] == "ok"
+        assert s["kv_blocks_used"] == 0
 
 
 def generate_all(prompts: list[str], max_new_tokens: int) -> list[list[int]]:

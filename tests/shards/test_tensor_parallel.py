@@ -22,7 +22,7 @@ from engine.sampling_params import SamplingParams
 from shards.model.config import ModelConfig
 from shards.worker.group import ShardError, ShardGroup
 from shards.worker.model_runner import ShardConfig
-from tests.doubles import slow_model, slow_steps_runtime_env
+from tests.doubles import set_slow_steps, slow_model, slow_steps_runtime_env
 from tests.reference import PARITY_LENGTHS, PARITY_NEW_TOKENS, hf_greedy, make_prompts
 from tests.shards.test_parity import run_staggered
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.integration  # Ray in the test process
 
 
 # A step that outlasts the test's kill by far. (Steps longer than every deadline, completing
-# with health checks answered during them, are test_long_steps.py's, through Serve.)
+# with health checks answered during them, are test_faults.py's, through Serve.)
 LONG_STEP_S = 75.0
 # A model path per step delay (tests/doubles.py): GroupLLM(prefill_delay_s=...) serves it.
 SLOW_PATHS: dict[float, str] = {}
@@ -40,11 +40,13 @@ SLOW_PATHS: dict[float, str] = {}
 def ray_cluster(llama_dir, tmp_path_factory):
     for delay in (LONG_STEP_S,):
         SLOW_PATHS[delay] = slow_model(llama_dir, tmp_path_factory.mktemp(f"slow{delay:g}"))
+    delays = tmp_path_factory.mktemp("slow-steps") / "delays.json"
+    set_slow_steps(delays, {p: d for d, p in SLOW_PATHS.items()})
     # The dashboard is on here (about 4 s) because the placement check goes through Ray's
     # state API, which is served by it; the other modules run without it.
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=True, log_to_driver=False,
              configure_logging=False,
-             runtime_env=slow_steps_runtime_env({p: d for d, p in SLOW_PATHS.items()}))
+             runtime_env=slow_steps_runtime_env(delays))
     yield
     ray.shutdown()
 
