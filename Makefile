@@ -54,7 +54,7 @@ prometheus:
 	@command -v prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 	   --no-install-recommends prometheus) >/dev/null 2>&1; } || \
-	  echo "prometheus not installed: tests/deployments/test_prometheus.py will be skipped"
+	  echo "prometheus not installed: the Prometheus test in tests/deployments/test_http_api.py will be skipped"
 
 # Every tier, the unit tier first (tests/conftest.py); the README's and CI's command.
 test: install lint prometheus
