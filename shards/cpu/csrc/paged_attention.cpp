@@ -64,6 +64,33 @@ inline float exp_minus_max(float* x, int64_t n) {
   return sum;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define RAYGEN_ATTENTION_AVX2 1
+
+// Lane j: the sum of v[j]'s 8 lanes.
+inline __m256 hsum8(const __m256 v[8]) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // a: v[0..3]'s low-half sums, then their high-half sums; b: the same for v[4..7].
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// out[j] = q . k_j * scale for the 8 keys at k + j * stride (D floats each, D % 8 == 0):
+// 8 independent chains of FMAs and one transposing sum, where a dot product at a time
+// waits on each FMA of its single chain and then sums its lanes.
+template <int64_t D>
+inline void scores8(const float* q, const float* k, int64_t stride, float scale, float* out) {
+  __m256 acc[8];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  for (int64_t i = 0; i < D; i += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + i);
+    for (int j = 0; j < 8; ++j)
+      acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * stride + i), acc[j]);
+  }
+  _mm256_storeu_ps(out, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
+}
+#endif
+
 // D is the head size: a compile-time constant lets the compiler keep a row in registers
 // and vectorize the dot products fully (0 = any size, read at run time). A task is one
 // (sequence, kv head); the tasks of one sequence run back to back on one thread, so its
@@ -97,7 +124,15 @@ void decode_kernel(const float* __restrict__ q, const float* __restrict__ k_cach
         if (blk + 1 < num_blocks)
           prefetch_block(k_cache + static_cast<int64_t>(table[blk + 1]) * block_stride +
                              h * head_dim, block_size, token_stride, head_dim);
-        for (int64_t s = 0; s < n; ++s) {
+        int64_t s = 0;
+#if defined(RAYGEN_ATTENTION_AVX2)
+        if constexpr (D % 8 == 0 && D > 0)
+          for (; s + 8 <= n; s += 8)
+            for (int64_t g = 0; g < groups; ++g)
+              scores8<D>(qb + g * head_dim, kb + s * token_stride, token_stride, scale,
+                         scores.data() + g * len + first + s);
+#endif
+        for (; s < n; ++s) {
           const float* k = kb + s * token_stride;
           for (int64_t g = 0; g < groups; ++g) {
             const float* qg = qb + g * head_dim;
@@ -112,6 +147,34 @@ void decode_kernel(const float* __restrict__ q, const float* __restrict__ k_cach
         // Softmax of this query head's scores (the 1 / sum is applied at the end).
         float* sc = scores.data() + g * len;
         const float sum = exp_minus_max(sc, len);
+        float* o = out + (b * num_heads + h * groups + g) * head_dim;
+        const float inv = 1.f / sum;
+#if defined(RAYGEN_ATTENTION_AVX2)
+        if constexpr (D % 64 == 0 && D > 0) {
+          // Weighted sum of V, 64 columns at a time in 8 registers (the sums in memory
+          // waited on a store and a load per token).
+          for (int64_t c = 0; c < D; c += 64) {
+            __m256 a[8];
+            for (auto& x : a) x = _mm256_setzero_ps();
+            for (int64_t blk = 0; blk < num_blocks; ++blk) {
+              const float* vb = v_cache + static_cast<int64_t>(table[blk]) * block_stride +
+                                h * head_dim + c;
+              const int64_t first = blk * block_size, n = std::min(block_size, len - first);
+              if (g == 0 && c == 0 && blk + 1 < num_blocks)
+                prefetch_block(v_cache + static_cast<int64_t>(table[blk + 1]) * block_stride +
+                                   h * head_dim, block_size, token_stride, head_dim);
+              for (int64_t s = 0; s < n; ++s) {
+                const __m256 p = _mm256_set1_ps(sc[first + s]);
+                const float* v = vb + s * token_stride;
+                for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), a[i]);
+              }
+            }
+            for (int i = 0; i < 8; ++i)
+              _mm256_storeu_ps(o + c + 8 * i, _mm256_mul_ps(a[i], _mm256_set1_ps(inv)));
+          }
+          continue;
+        }
+#endif
         // Weighted sum of V, block by block.
         float* a = acc.data() + g * head_dim;
         std::fill(a, a + head_dim, 0.f);
@@ -128,8 +191,6 @@ void decode_kernel(const float* __restrict__ q, const float* __restrict__ k_cach
             for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
           }
         }
-        float* o = out + (b * num_heads + h * groups + g) * head_dim;
-        const float inv = 1.f / sum;
         for (int64_t d = 0; d < head_dim; ++d) o[d] = a[d] * inv;
       }
     };
