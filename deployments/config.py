@@ -84,6 +84,12 @@ class AppArgs(BaseModel):
     num_blocks: int | None = Field(None, ge=1)
     kv_cache_memory: int = Field(default(ShardConfig, "kv_cache_memory"), ge=1 << 20,
                                  description="bytes of KV cache (CPU)")
+    kv_cache_dtype: Literal["auto", "float16"] = Field(
+        default(ShardConfig, "kv_cache_dtype"), description="vLLM's --kv-cache-dtype: "
+        "`float16` keeps K and V in half the bytes (twice the tokens in kv_cache_memory, and "
+        "half of what a decode step reads on CPU, as llama.cpp's default f16 cache); outputs "
+        "move by float16's rounding, so greedy answers may differ from transformers'. On "
+        "CUDA only with dtype=float16")
     gpu_memory_utilization: float = Field(
         default(ShardConfig, "gpu_memory_utilization"), gt=0, le=1)
     attention_backend: Literal["auto", "torch", "flash", "cpu"] = "auto"
@@ -193,6 +199,7 @@ class AppArgs(BaseModel):
             model=self.model, dtype=self.dtype, device="auto" if self.device == "cuda" else "cpu",
             block_size=self.block_size,
             num_blocks=self.num_blocks, kv_cache_memory=self.kv_cache_memory,
+            kv_cache_dtype=self.kv_cache_dtype,
             gpu_memory_utilization=self.gpu_memory_utilization,
             attention_backend=self.attention_backend, cpu_threads=self.cpu_threads,
             quant_products=self.quant_products, quantize=self.quantize,

@@ -24,7 +24,7 @@ from shards.worker.model_runner import ModelRunner
 OFFLINE_ARGS = frozenset({
     "dtype", "max_batch_prefill_tokens", "max_batch_total_tokens", "max_batch_size",
     "waiting_served_ratio", "max_waiting_tokens", "enable_chunked_prefill",
-    "enable_prefix_caching", "block_size", "num_blocks", "kv_cache_memory",
+    "enable_prefix_caching", "block_size", "num_blocks", "kv_cache_memory", "kv_cache_dtype",
     "gpu_memory_utilization", "attention_backend", "cpu_threads", "quant_products", "quantize",
     "speculate", "num_scheduler_steps", "prompt_lookup_min", "prompt_lookup_max",
     "lora_adapters", "max_loras", "max_lora_rank", "max_cpu_loras"})

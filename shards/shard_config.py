@@ -16,6 +16,9 @@ class ShardConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     num_blocks: int | None = None  # fixed count; else sized from memory at warmup
     kv_cache_memory: int = 1 << 30  # bytes for the KV cache on CPU
+    # The KV cache's element type: auto (the activations'), or float16 (half the memory and
+    # of what a decode step reads; outputs move by float16's rounding of K and V).
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
     # A GGUF file's Q4_0, Q4_1 and Q8_0 blocks on CPU: multiplied by the activations as they

@@ -53,15 +53,18 @@ class AttentionBackend:
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """cache[block_ids] as [*block_ids.shape, block_size, KVH, D]. `index_select` on the
-    flattened ids, not advanced indexing: the same bytes, 3-4x faster on CPU (the indexing
-    kernel walks every element through a generic iterator; this copies whole rows)."""
-    return cache.index_select(0, block_ids.flatten()).view(*block_ids.shape, *cache.shape[1:])
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """cache[block_ids] as [*block_ids.shape, block_size, KVH, D] in `dtype` (a float16
+    cache is widened to the activations'). `index_select` on the flattened ids, not
+    advanced indexing: the same bytes, 3-4x faster on CPU (the indexing kernel walks every
+    element through a generic iterator; this copies whole rows)."""
+    rows = cache.index_select(0, block_ids.flatten()).to(dtype)
+    return rows.view(*block_ids.shape, *cache.shape[1:])
 
 
 def _expand_kv(x: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -92,8 +95,8 @@ class TorchAttentionBackend(AttentionBackend):
                 mask, causal = None, True
             else:
                 seq_len = seq.context_len + seq.end - seq.start
-                ks = gather_blocks(k_cache, seq.block_ids).flatten(0, 1)[:seq_len]
-                vs = gather_blocks(v_cache, seq.block_ids).flatten(0, 1)[:seq_len]
+                ks = gather_blocks(k_cache, seq.block_ids, q.dtype).flatten(0, 1)[:seq_len]
+                vs = gather_blocks(v_cache, seq.block_ids, q.dtype).flatten(0, 1)[:seq_len]
                 mask = torch.ones(seq.end - seq.start, seq_len, dtype=torch.bool,
                                   device=q.device).tril(diagonal=seq.context_len)
                 causal = False
@@ -112,8 +115,8 @@ class TorchAttentionBackend(AttentionBackend):
         tables = meta.decode_block_tables
         batch, num_kv_heads = tables.shape[0], k_cache.shape[2]
         # [B, blocks, block_size, KVH, D] -> [B, KVH, L, D]
-        ks = gather_blocks(k_cache, tables).flatten(1, 2).transpose(1, 2)
-        vs = gather_blocks(v_cache, tables).flatten(1, 2).transpose(1, 2)
+        ks = gather_blocks(k_cache, tables, q.dtype).flatten(1, 2).transpose(1, 2)
+        vs = gather_blocks(v_cache, tables, q.dtype).flatten(1, 2).transpose(1, 2)
         positions = torch.arange(ks.shape[2], device=q.device)
         mask = (positions[None, :] < meta.decode_seq_lens[:, None]).view(batch, 1, 1, -1)
         # GQA without copying K/V: the query heads of one kv head become that head's

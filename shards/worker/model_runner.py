@@ -154,6 +154,20 @@ def bf16_block_kernel(attention_backend: str) -> bool:
     return module is not None and module.quant_supported()
 
 
+def resolve_kv_dtype(name: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: the activations' (auto), or float16. On CPU the
+    attention widens float16 to float32 as it reads; flash attention on CUDA reads the cache
+    in the activations' type, so there float16 needs float16 activations."""
+    if name == "auto":
+        return dtype
+    if name != "float16":
+        raise ValueError(f"kv_cache_dtype must be auto or float16, not {name!r}")
+    if device.type == "cuda" and dtype != torch.float16:
+        raise ValueError(f"kv_cache_dtype=float16 on CUDA needs dtype=float16, not "
+                         f"{str(dtype).removeprefix('torch.')}")
+    return torch.float16
+
+
 def resolve_dtype(name: str, device: torch.device, checkpoint: str) -> torch.dtype:
     if name == "auto":
         return getattr(torch, checkpoint) if device.type == "cuda" else torch.float32
@@ -217,6 +231,7 @@ class ModelRunner:
                         "attention and KV cache in float32",
                         "oneDNN" if self.bf16_products else
                         "raygen's block kernel, float32 copies for bigger steps")
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.device, self.dtype)
         self.backend = select_backend(config.attention_backend, self.device, self.dtype,
                                       config.block_size)
         logger.info("attention backend: %s", self.backend.name)
@@ -399,6 +414,7 @@ class ModelRunner:
             "weight_dtype": str(self.weight_dtype).removeprefix("torch."),
             "activation_dtype": str(self.dtype).removeprefix("torch."),
             "attention_backend": self.backend.name,
+            "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
             "quant_blocks": ({"types": self.quant_types, "steps_up_to_rows": self.quant_rows,
                               "steps_up_to_rows_by_linear": self.quant_rows_by_kind,
                               "x": "int8" if self.quant_int8 else "float32"}
@@ -412,7 +428,7 @@ class ModelRunner:
 
     def block_bytes(self) -> int:
         mc = self.model_config
-        per_token = 2 * mc.num_layers * self.kv_heads * mc.head_dim * self.dtype.itemsize
+        per_token = 2 * mc.num_layers * self.kv_heads * mc.head_dim * self.kv_dtype.itemsize
         return per_token * self.config.block_size
 
     def profile_num_blocks(self, max_batch_prefill_tokens: int) -> int:
@@ -435,13 +451,14 @@ class ModelRunner:
         mc = self.model_config
         shape = (num_blocks, self.config.block_size, self.kv_heads, mc.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
             for _ in range(mc.num_layers)
         ]
         self.num_blocks = num_blocks
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB per shard)", num_blocks,
-                    self.config.block_size, num_blocks * self.block_bytes() / 2**20)
+        logger.info("KV cache: %d blocks of %d tokens in %s (%.1f MiB per shard)", num_blocks,
+                    self.config.block_size, str(self.kv_dtype).removeprefix("torch."),
+                    num_blocks * self.block_bytes() / 2**20)
 
     def _dummy_forward(self, num_tokens: int) -> None:
         num_tokens = min(num_tokens, self.model_config.max_position_embeddings)

@@ -206,3 +206,10 @@ def test_the_builder_and_the_serving_plane_load_no_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_kv_cache_dtype_reaches_the_shards_and_only_its_values_pass():
+    assert AppArgs(model="m").shard_config().kv_cache_dtype == "auto"
+    assert AppArgs(model="m", kv_cache_dtype="float16").shard_config().kv_cache_dtype == "float16"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        AppArgs(model="m", kv_cache_dtype="fp8")

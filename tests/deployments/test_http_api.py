@@ -190,7 +190,8 @@ def test_tokenize_and_info(app, tokenizer):
     assert info["raygen"] == {
         "tensor_parallel_size": 1, "num_scheduler_steps": 4, "compute_path": {
             "device": "cpu", "weight_dtype": "float32", "activation_dtype": "float32",
-            "attention_backend": "cpu", "quant_blocks": None}}
+            "attention_backend": "cpu", "kv_cache_dtype": "float32",
+            "quant_blocks": None}}
 
 
 def test_openai_errors_use_openai_shape(app):

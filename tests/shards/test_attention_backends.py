@@ -141,14 +141,17 @@ def _scattered_decode_batch(lens, num_heads, num_kv_heads, head_dim, block_size,
     (8, 8, 128, torch.int32),  # no GQA, the other specialised head size
     (6, 2, 40, torch.long),  # a head size read at run time
 ])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])  # kv_cache_dtype
 def test_cpu_kernel_decode_equals_the_torch_path(cpu_kernel, num_heads, num_kv_heads, head_dim,
-                                                 index_dtype):
+                                                 index_dtype, cache_dtype):
     # Lengths: one token, exact multiples of the block, one past, staggered ones (every row
     # but the longest is padded on the torch path), and the longest prompt the default
-    # limits allow (2047) plus its first sampled token.
+    # limits allow (2047) plus its first sampled token. A float16 cache: both paths widen
+    # the same stored values to float32.
     lens = [1, 16, 17, 31, 160, 283, 2, 64, 95, 2048]
     q, k_cache, v_cache, meta = _scattered_decode_batch(lens, num_heads, num_kv_heads, head_dim,
                                                         16, index_dtype)
+    k_cache, v_cache = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
     scale = head_dim**-0.5
     ref = TorchAttentionBackend._decode(q, k_cache, v_cache, meta, scale, num_heads)
     out = cpu_kernel.paged_decode(q, k_cache, v_cache, meta.decode_block_tables,
@@ -316,14 +319,19 @@ def test_activation_kernel_is_silu_times_up_within_a_few_ulp(cpu_kernel, rows, w
         cpu_kernel.silu_mul(gate_up.double())
 
 
-def test_kv_write_kernel_equals_index_copy(cpu_kernel):
+# A float16 cache (kv_cache_dtype=float16): rounded as torch's .half() rounds, in 8 lanes
+# at a time and one at a time for a row's last 1-7 values (heads of 5).
+@pytest.mark.parametrize(("cache_dtype", "heads", "head_dim"),
+                         [(torch.float32, 4, 32), (torch.float16, 4, 32), (torch.float16, 3, 5)])
+def test_kv_write_kernel_equals_index_copy(cpu_kernel, cache_dtype, heads, head_dim):
     """The new tokens' keys and values land in the same slots, bit for bit, as the torch
     path's index_copy_; a slot past the cache is refused, not written."""
 
     torch.manual_seed(0)
-    want_k, want_v = torch.randn(6, 16, 4, 32), torch.randn(6, 16, 4, 32)
+    want_k = torch.randn(6, 16, heads, head_dim).to(cache_dtype)
+    want_v = torch.randn(6, 16, heads, head_dim).to(cache_dtype)
     got_k, got_v = want_k.clone(), want_v.clone()
-    k, v = torch.randn(9, 4, 32), torch.randn(9, 4, 32)
+    k, v = torch.randn(9, heads, head_dim), torch.randn(9, heads, head_dim)
     slots = torch.randperm(96)[:9]
     write_kv(k, v, want_k, want_v, slots)
     cpu_kernel.write_kv(k, v, got_k, got_v, slots)
@@ -462,3 +470,17 @@ def test_torch_backend_prefill_takes_sdpa_flash_kernel_on_cpu():
     counts = {e.key: e.count for e in profiled.prof.key_averages()}
     assert counts.get("aten::_scaled_dot_product_flash_attention_for_cpu", 0) == 3, counts
     assert "aten::bmm" not in counts, "an SDPA call took the math path"
+
+
+def test_a_float16_kv_cache_is_refused_where_the_attention_cannot_read_it():
+    from shards.worker.model_runner import resolve_kv_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kv_dtype("auto", cpu, torch.float32) == torch.float32
+    assert resolve_kv_dtype("float16", cpu, torch.float32) == torch.float16
+    assert resolve_kv_dtype("float16", cuda, torch.float16) == torch.float16
+    # flash attention reads the cache in the activations' dtype
+    with pytest.raises(ValueError, match="kv_cache_dtype=float16 on CUDA needs dtype=float16"):
+        resolve_kv_dtype("float16", cuda, torch.bfloat16)
+    with pytest.raises(ValueError, match="auto or float16"):
+        resolve_kv_dtype("bfloat16", cpu, torch.float32)

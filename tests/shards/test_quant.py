@@ -127,6 +127,31 @@ def test_a_real_q4_1_file_scores_real_text_as_its_dequantized_weights_do(product
     assert mean < mean_bound and max(diffs) < max_bound, (mean, max(diffs))
 
 
+# kv_cache_dtype=float16 against float32 KV, teacher-forced on TEXT's first 160 tokens
+# (benchmarks/NOTES.md 72): in steps of 4 (prefill chunks, attending to the cache through
+# the torch path) mean |difference| 6.0e-4 and max 4.4e-3; in steps of one token (decodes,
+# through the CPU kernel, which test_attention_backends checks against the torch path on
+# the same float16 cache) 7.5e-4 and 4.7e-3.
+def test_a_float16_kv_cache_scores_real_text_near_a_float32_one():
+    from deployments.offline import LLM
+    from engine.sampling_params import SamplingParams
+    from tests.reference import smollm2_gguf
+
+    scored = {}
+    for kv in ("auto", "float16"):
+        llm = LLM(str(smollm2_gguf()), num_blocks=16, max_batch_prefill_tokens=4,
+                  kv_cache_dtype=kv)
+        assert llm.runner.kv_caches[0][0].dtype == getattr(torch, kv.replace("auto", "float32"))
+        assert llm.runner.compute_path()["kv_cache_dtype"] == kv.replace("auto", "float32")
+        ids = llm.tokenizer(TEXT).input_ids[:96]
+        params = SamplingParams(max_new_tokens=1, prompt_logprobs=True)
+        scored[kv] = llm.generate([ids], params)[0].prompt_logprobs[1:]
+    diffs = [abs(a - b) for a, b in zip(scored["auto"], scored["float16"], strict=True)]
+    assert len(diffs) == 95 and scored["auto"] != scored["float16"]  # the rounding shows
+    mean = sum(diffs) / len(diffs)
+    assert mean < 3e-3 and max(diffs) < 2e-2, (mean, max(diffs))
+
+
 def test_a_float_checkpoint_quantized_at_load_scores_near_its_float_weights(llama_dir):
     """`quantize=q8_0`: every linear of a safetensors checkpoint in Q8_0 blocks (the gguf
     package's quantizer), multiplied by the block kernel; teacher-forced logprobs of a

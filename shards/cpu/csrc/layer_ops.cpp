@@ -8,6 +8,7 @@
 #include "exp.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -202,12 +203,28 @@ at::Tensor silu_mul(at::Tensor gate_up) {
 // k_cache[slot] = k[t] and v_cache[slot] = v[t] for slot = slots[t]: the new tokens' keys
 // and values into the paged cache, one copy per token for both, in place of two
 // index_copy_ calls (each a dispatch, a TensorIterator and a thread team).
+namespace {
+
+// n floats into a float16 cache row, rounded to nearest even (as torch's .half()).
+inline void narrow_row(const float* src, int64_t n, c10::Half* dst) {
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i),
+                     _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+  for (; i < n; ++i) dst[i] = c10::Half(src[i]);
+}
+
+}  // namespace
+
 void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache,
               at::Tensor slots) {
   TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-                  k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf) &&
                   k.device().is_cpu() && k_cache.device().is_cpu(),
-              "write_kv: float32 CPU tensors");
+              "write_kv: float32 k and v, float32 or float16 caches, on CPU");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.is_contiguous() && v_cache.is_contiguous() &&
                   k_cache.numel() % (k.size(1) * k.size(2)) == 0,
@@ -224,6 +241,15 @@ void write_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
   const int64_t* slot = slots.data_ptr<int64_t>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
+  if (k_cache.scalar_type() == at::kHalf) {
+    c10::Half* kc = k_cache.data_ptr<c10::Half>();
+    c10::Half* vc = v_cache.data_ptr<c10::Half>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      narrow_row(kp + t * width, width, kc + slot[t] * width);
+      narrow_row(vp + t * width, width, vc + slot[t] * width);
+    }
+    return;
+  }
   float* kc = k_cache.data_ptr<float>();
   float* vc = v_cache.data_ptr<float>();
   for (int64_t t = 0; t < tokens; ++t) {

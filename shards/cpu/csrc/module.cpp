@@ -5,14 +5,15 @@
 #include "ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache (CPU, fp32)");
+  m.def("paged_decode", &paged_decode,
+        "decode attention over a paged KV cache (CPU, fp32 q, fp32 or fp16 caches)");
   m.def("add_rms_norm", &add_rms_norm,
         "(x + residual) RMS-normalized and scaled, and that sum (CPU, fp32)");
   m.def("rotary_qk", &rotary_qk,
         "q and k of a fused qkv row, rotated (rotate_half RoPE), as new tensors (CPU, fp32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows (CPU, fp32)");
   m.def("write_kv", &write_kv,
-        "new tokens' k and v into the paged caches at their slots (CPU, fp32)");
+        "new tokens' k and v into the paged caches at their slots (CPU, fp32 or fp16 caches)");
   m.def("panels_supported", &panels_supported, "whether pack_panels/linear_panels are built");
   m.def("pack_panels", &pack_panels, "W (N x K) as ceil(N / 64) panels of K x 64 (CPU, fp32)");
   m.def("linear_panels", &linear_panels,

@@ -5,6 +5,9 @@
 // table, softmaxed, and V is summed the same way. Nothing is gathered or padded: K and V
 // are read once, in place. The torch backend (shards/model/attention.py) computes the same
 // thing with a gather and SDPA; this replaces only its decode part.
+//
+// The cache holds float32, or float16 (`kv_cache_dtype=float16`: half the bytes a step
+// reads), widened to float32 as it is read; q, the arithmetic and the output are float32.
 #include "ops.h"
 
 #include "bounds.h"
@@ -12,6 +15,7 @@
 #include "exp.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -24,12 +28,17 @@ namespace {
 // lines of each token, 1 KB apart: the hardware prefetcher does not follow that pattern
 // across blocks, and without this the kernel read 9.8 GB/s of the machine's 20.7
 // (benchmarks/NOTES.md 44).
-inline void prefetch_block(const float* rows, int64_t block_size, int64_t token_stride,
+template <typename C>
+inline void prefetch_block(const C* rows, int64_t block_size, int64_t token_stride,
                            int64_t head_dim) {
   for (int64_t s = 0; s < block_size; ++s)
-    for (int64_t d = 0; d < head_dim; d += 64 / sizeof(float))
+    for (int64_t d = 0; d < head_dim; d += 64 / sizeof(C))
       __builtin_prefetch(rows + s * token_stride + d);
 }
+
+// A cache element as float32 (the scalar paths).
+inline float widen(float x) { return x; }
+inline float widen(c10::Half x) { return static_cast<float>(x); }
 
 // x[t] = e^(x[t] - max x) for t < n; returns their sum. Vectorized where exp.h is (the
 // scalar std::exp was a quarter of a decode step's attention at 16 sequences of 200
@@ -64,8 +73,14 @@ inline float exp_minus_max(float* x, int64_t n) {
   return sum;
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define RAYGEN_ATTENTION_AVX2 1
+
+// 8 cache elements as float32 lanes.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 // Lane j: the sum of v[j]'s 8 lanes.
 inline __m256 hsum8(const __m256 v[8]) {
@@ -78,14 +93,14 @@ inline __m256 hsum8(const __m256 v[8]) {
 // out[j] = q . k_j * scale for the 8 keys at k + j * stride (D floats each, D % 8 == 0):
 // 8 independent chains of FMAs and one transposing sum, where a dot product at a time
 // waits on each FMA of its single chain and then sums its lanes.
-template <int64_t D>
-inline void scores8(const float* q, const float* k, int64_t stride, float scale, float* out) {
+template <int64_t D, typename C>
+inline void scores8(const float* q, const C* k, int64_t stride, float scale, float* out) {
   __m256 acc[8];
   for (auto& a : acc) a = _mm256_setzero_ps();
   for (int64_t i = 0; i < D; i += 8) {
     const __m256 qv = _mm256_loadu_ps(q + i);
     for (int j = 0; j < 8; ++j)
-      acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * stride + i), acc[j]);
+      acc[j] = _mm256_fmadd_ps(qv, load8(k + j * stride + i), acc[j]);
   }
   _mm256_storeu_ps(out, _mm256_mul_ps(hsum8(acc), _mm256_set1_ps(scale)));
 }
@@ -96,9 +111,9 @@ inline void scores8(const float* q, const float* k, int64_t stride, float scale,
 // (sequence, kv head); the tasks of one sequence run back to back on one thread, so its
 // blocks are read from memory once and from cache after (reading whole token rows for all
 // heads at once measured slower on long contexts).
-template <int64_t D, typename index_t>
-void decode_kernel(const float* __restrict__ q, const float* __restrict__ k_cache,
-                   const float* __restrict__ v_cache, const index_t* __restrict__ tables,
+template <int64_t D, typename C, typename index_t>
+void decode_kernel(const float* __restrict__ q, const C* __restrict__ k_cache,
+                   const C* __restrict__ v_cache, const index_t* __restrict__ tables,
                    const index_t* __restrict__ seq_lens, float* __restrict__ out,
                    int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t dyn_head_dim,
                    int64_t block_size, int64_t max_blocks, float scale) {
@@ -119,7 +134,7 @@ void decode_kernel(const float* __restrict__ q, const float* __restrict__ k_cach
       scores.resize(groups * len);
       // Scores, block by block: scores[g][t] = q_g . k_t * scale.
       for (int64_t blk = 0; blk < num_blocks; ++blk) {
-        const float* kb = k_cache + static_cast<int64_t>(table[blk]) * block_stride + h * head_dim;
+        const C* kb = k_cache + static_cast<int64_t>(table[blk]) * block_stride + h * head_dim;
         const int64_t first = blk * block_size, n = std::min(block_size, len - first);
         if (blk + 1 < num_blocks)
           prefetch_block(k_cache + static_cast<int64_t>(table[blk + 1]) * block_stride +
@@ -133,12 +148,12 @@ void decode_kernel(const float* __restrict__ q, const float* __restrict__ k_cach
                          scores.data() + g * len + first + s);
 #endif
         for (; s < n; ++s) {
-          const float* k = kb + s * token_stride;
+          const C* k = kb + s * token_stride;
           for (int64_t g = 0; g < groups; ++g) {
             const float* qg = qb + g * head_dim;
             float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * widen(k[d]);
             scores[g * len + first + s] = dot * scale;
           }
         }
@@ -157,16 +172,16 @@ void decode_kernel(const float* __restrict__ q, const float* __restrict__ k_cach
             __m256 a[8];
             for (auto& x : a) x = _mm256_setzero_ps();
             for (int64_t blk = 0; blk < num_blocks; ++blk) {
-              const float* vb = v_cache + static_cast<int64_t>(table[blk]) * block_stride +
-                                h * head_dim + c;
+              const C* vb = v_cache + static_cast<int64_t>(table[blk]) * block_stride +
+                            h * head_dim + c;
               const int64_t first = blk * block_size, n = std::min(block_size, len - first);
               if (g == 0 && c == 0 && blk + 1 < num_blocks)
                 prefetch_block(v_cache + static_cast<int64_t>(table[blk + 1]) * block_stride +
                                    h * head_dim, block_size, token_stride, head_dim);
               for (int64_t s = 0; s < n; ++s) {
                 const __m256 p = _mm256_set1_ps(sc[first + s]);
-                const float* v = vb + s * token_stride;
-                for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), a[i]);
+                const C* v = vb + s * token_stride;
+                for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(p, load8(v + 8 * i), a[i]);
               }
             }
             for (int i = 0; i < 8; ++i)
@@ -179,16 +194,16 @@ void decode_kernel(const float* __restrict__ q, const float* __restrict__ k_cach
         float* a = acc.data() + g * head_dim;
         std::fill(a, a + head_dim, 0.f);
         for (int64_t blk = 0; blk < num_blocks; ++blk) {
-          const float* vb = v_cache + static_cast<int64_t>(table[blk]) * block_stride + h * head_dim;
+          const C* vb = v_cache + static_cast<int64_t>(table[blk]) * block_stride + h * head_dim;
           const int64_t first = blk * block_size, n = std::min(block_size, len - first);
           if (g == 0 && blk + 1 < num_blocks)  // the next query heads find it in cache
             prefetch_block(v_cache + static_cast<int64_t>(table[blk + 1]) * block_stride +
                                h * head_dim, block_size, token_stride, head_dim);
           for (int64_t s = 0; s < n; ++s) {
-            const float* v = vb + s * token_stride;
+            const C* v = vb + s * token_stride;
             const float p = sc[first + s];
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * widen(v[d]);
           }
         }
         for (int64_t d = 0; d < head_dim; ++d) o[d] = a[d] * inv;
@@ -204,9 +219,9 @@ void decode_kernel(const float* __restrict__ q, const float* __restrict__ k_cach
 at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                         at::Tensor block_tables, at::Tensor seq_lens, double scale) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode runs on CPU");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-                  v_cache.scalar_type() == at::kFloat,
-              "paged_decode takes float32");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  (k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kHalf),
+              "paged_decode takes a float32 q and float32 or float16 caches");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "paged_decode: q [B, H, D], caches [blocks, block_size, KVH, D]");
   TORCH_CHECK(block_tables.scalar_type() == seq_lens.scalar_type(),
@@ -231,15 +246,20 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
                 "paged_decode: a sequence length is outside its block table");
     TORCH_CHECK(all_within<index_t>(block_tables, 0, k_cache.size(0)),
                 "paged_decode: a block id is outside the cache");
-    auto run = [&](auto kernel) {
-      kernel(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-             block_tables.data_ptr<index_t>(), seq_lens.data_ptr<index_t>(),
-             out.data_ptr<float>(), batch, num_heads, num_kv_heads, head_dim, block_size,
-             max_blocks, static_cast<float>(scale));
+    auto typed = [&](auto cache_type) {
+      using C = decltype(cache_type);
+      auto run = [&](auto kernel) {
+        kernel(q.data_ptr<float>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
+               block_tables.data_ptr<index_t>(), seq_lens.data_ptr<index_t>(),
+               out.data_ptr<float>(), batch, num_heads, num_kv_heads, head_dim, block_size,
+               max_blocks, static_cast<float>(scale));
+      };
+      if (head_dim == 64) run(decode_kernel<64, C, index_t>);
+      else if (head_dim == 128) run(decode_kernel<128, C, index_t>);
+      else run(decode_kernel<0, C, index_t>);
     };
-    if (head_dim == 64) run(decode_kernel<64, index_t>);
-    else if (head_dim == 128) run(decode_kernel<128, index_t>);
-    else run(decode_kernel<0, index_t>);
+    if (k_cache.scalar_type() == at::kHalf) typed(c10::Half{});
+    else typed(float{});
   });
   return out;
 }
