@@ -33,7 +33,8 @@ bool quant_supported();
 at::Tensor linear_quant(at::Tensor x, at::Tensor weight, int64_t type, int64_t out_features,
                         std::optional<at::Tensor> bias);
 // The same with x quantized to int8 blocks, multiplied in integers (AVX-512 VNNI, or
-// AVX2's vpmaddubsw) (Q4_0, Q4_1, Q8_0), as llama.cpp does: faster, not exact.
+// AVX2's vpmaddubsw) (Q4_0, Q4_1, Q8_0), as llama.cpp does: faster, not exact
+// (quant_linear_i8.cpp).
 bool quant_i8_supported();
 at::Tensor linear_quant_i8(at::Tensor x, at::Tensor weight, int64_t type, int64_t out_features,
                            std::optional<at::Tensor> bias);
