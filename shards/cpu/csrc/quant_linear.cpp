@@ -15,8 +15,9 @@
 // rows of x (an accumulator register for each pair; `product`).
 //
 // Built for AVX-512, or for AVX2 with FMA and F16C (the AMD EPYC and older Intel kinds these
-// machines come in): there each block is unpacked in 4 vectors of 8 and dequantized in
-// registers (w = d * q + m, one FMA), so x's block sums are not needed. Elsewhere
+// machines come in): there each block is unpacked in 4 vectors of 8, dequantized in
+// registers (w = d * q + m, one FMA) where a chunk serves several rows of x, and scaled
+// once per block as above for one row (a decode step's), where the FMAs bound it. Elsewhere
 // `quant_supported` is false and the shards keep the float32 weights (shards/model/layers.py).
 // The same with x rounded to int8 blocks: quant_linear_i8.cpp.
 #include "ops.h"
