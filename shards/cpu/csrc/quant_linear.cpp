@@ -138,6 +138,15 @@ inline __m256 weights8(const uint8_t* blk, int c, float d, float m) {
   }
 }
 
+// d and m of block `blk` in each of NR weight rows, asking for the next NR rows' block.
+template <int64_t T, int NR>
+inline void block_scales(const uint8_t* blk, int64_t row_bytes, float (&d)[NR], float (&m)[NR]) {
+  for (int n = 0; n < NR; ++n) {
+    _mm_prefetch(reinterpret_cast<const char*>(blk + (n + NR) * row_bytes), _MM_HINT_T0);
+    scales<T>(blk + n * row_bytes, d[n], m[n]);
+  }
+}
+
 // Chunk c's 8 quants as floats, not yet scaled (the one-row tile below scales per block).
 template <int64_t T>
 inline __m256 quants8(const uint8_t* blk, int c) {
@@ -168,11 +177,7 @@ inline void dot_tile(const float* x, int64_t K, const float* /*sums*/, int64_t n
     for (auto& a : acc) a = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       float d[NR], m[NR];
-      for (int n = 0; n < NR; ++n) {
-        const uint8_t* blk = w + n * row_bytes + b * bytes;
-        _mm_prefetch(reinterpret_cast<const char*>(blk + NR * row_bytes), _MM_HINT_T0);
-        scales<T>(blk, d[n], m[n]);
-      }
+      block_scales<T, NR>(w + b * bytes, row_bytes, d, m);
       __m256 part[NR], xs = _mm256_setzero_ps();
       for (auto& p : part) p = _mm256_setzero_ps();
       for (int c = 0; c < 4; ++c) {
@@ -194,11 +199,7 @@ inline void dot_tile(const float* x, int64_t K, const float* /*sums*/, int64_t n
     for (int n = 0; n < NR; ++n) acc[r][n] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     float d[NR], m[NR];
-    for (int n = 0; n < NR; ++n) {
-      const uint8_t* blk = w + n * row_bytes + b * bytes;
-      _mm_prefetch(reinterpret_cast<const char*>(blk + NR * row_bytes), _MM_HINT_T0);
-      scales<T>(blk, d[n], m[n]);
-    }
+    block_scales<T, NR>(w + b * bytes, row_bytes, d, m);
     for (int c = 0; c < 4; ++c) {
       __m256 wv[NR];
       for (int n = 0; n < NR; ++n) wv[n] = weights8<T>(w + n * row_bytes + b * bytes, c, d[n], m[n]);
