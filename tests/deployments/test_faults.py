@@ -36,7 +36,7 @@ OWNER_STEP_S = 2.0
 # (10 s, queued behind the step) and Ray's compiled-graph read (RAY_CGRAPH_get_timeout, 10 s);
 # Serve health-checks the batcher replica every 2 s (health_check_period_s), five times a step.
 LONG_STEP_S = 11.0
-SLOW: dict[str, str] = {}  # the slow model's path, and the file of its delay
+SLOW: dict = {}  # "model": the slow model's path; "delays": the file of its delay
 
 
 @pytest.fixture(scope="module")
