@@ -40,9 +40,9 @@ inline void prefetch_block(const C* rows, int64_t block_size, int64_t token_stri
 inline float widen(float x) { return x; }
 inline float widen(c10::Half x) { return static_cast<float>(x); }
 
-// x[t] = e^(x[t] - max x) for t < n; returns their sum. Vectorized where exp.h is (the
-// scalar std::exp was a quarter of a decode step's attention at 16 sequences of 200
-// tokens, benchmarks/NOTES.md 72).
+// x[t] = e^(x[t] - max x) for t < n; returns their sum. Vectorized where exp.h is (with
+// the scalar std::exp the kernel took 1.15x the time at 16 sequences of 200 tokens,
+// benchmarks/NOTES.md 72).
 inline float exp_minus_max(float* x, int64_t n) {
   float max = -std::numeric_limits<float>::infinity();
   float sum = 0.f;
