@@ -147,18 +147,29 @@ inline void block_scales(const uint8_t* blk, int64_t row_bytes, float (&d)[NR], 
   }
 }
 
-// Chunk c's 8 quants as floats, not yet scaled (the one-row tile below scales per block).
+// x_b . q_b for one block of one weight row, the quants not yet scaled (the one-row tile
+// below scales per block), x's block given as its 4 chunks of 8. A Q4 block's 16 bytes are
+// loaded once and split into low nibbles (weights 0-15) and high ones (16-31): 33
+// instructions a block and row where loading 8 bytes per chunk took 41, and one-row steps
+// on SmolLM2's Q4_1 file 0.84-0.88x the time (benchmarks/NOTES.md 73).
 template <int64_t T>
-inline __m256 quants8(const uint8_t* blk, int c) {
+inline __m256 block_dot(const uint8_t* blk, const __m256 (&xv)[4]) {
+  const auto widen = [](__m128i bytes) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)); };
   if constexpr (T == kQ8_0) {
-    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * c));
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+    __m256 p = _mm256_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * c));
+      p = _mm256_fmadd_ps(xv[c], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), p);
+    }
+    return p;
   } else {
-    const uint8_t* qs = blk + (T == kQ4_1 ? 4 : 2) + 8 * (c & 1);
-    __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs));
-    if (c >= 2) q = _mm_srli_epi16(q, 4);
-    q = _mm_and_si128(q, _mm_set1_epi8(0x0F));
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (T == kQ4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(q, mask), hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+    __m256 p = _mm256_mul_ps(xv[0], widen(lo));
+    p = _mm256_fmadd_ps(xv[1], widen(_mm_unpackhi_epi64(lo, lo)), p);
+    p = _mm256_fmadd_ps(xv[2], widen(hi), p);
+    return _mm256_fmadd_ps(xv[3], widen(_mm_unpackhi_epi64(hi, hi)), p);
   }
 }
 
@@ -178,16 +189,12 @@ inline void dot_tile(const float* x, int64_t K, const float* /*sums*/, int64_t n
     for (int64_t b = 0; b < nb; ++b) {
       float d[NR], m[NR];
       block_scales<T, NR>(w + b * bytes, row_bytes, d, m);
-      __m256 part[NR], xs = _mm256_setzero_ps();
-      for (auto& p : part) p = _mm256_setzero_ps();
-      for (int c = 0; c < 4; ++c) {
-        const __m256 xv = _mm256_loadu_ps(x + b * kBlock + 8 * c);
-        if constexpr (T != kQ8_0) xs = _mm256_add_ps(xs, xv);
-        for (int n = 0; n < NR; ++n)
-          part[n] = _mm256_fmadd_ps(xv, quants8<T>(w + n * row_bytes + b * bytes, c), part[n]);
-      }
+      __m256 xv[4];
+      for (int c = 0; c < 4; ++c) xv[c] = _mm256_loadu_ps(x + b * kBlock + 8 * c);
+      const __m256 xs = _mm256_add_ps(_mm256_add_ps(xv[0], xv[1]), _mm256_add_ps(xv[2], xv[3]));
       for (int n = 0; n < NR; ++n) {
-        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d[n]), part[n], acc[n]);
+        const __m256 part = block_dot<T>(w + n * row_bytes + b * bytes, xv);
+        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d[n]), part, acc[n]);
         if constexpr (T != kQ8_0) acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(m[n]), xs, acc[n]);
       }
     }
