@@ -147,6 +147,24 @@ inline void block_scales(const uint8_t* blk, int64_t row_bytes, float (&d)[NR], 
   }
 }
 
+// A block's d and m as vectors of 8; a Q4_1 block's two halves side by side in one
+// conversion. In registers, where scalars kept in arrays per tile went through memory:
+// one-row steps 0.85-0.90x the time (benchmarks/NOTES.md 73).
+template <int64_t T>
+inline void scale_vectors(const uint8_t* blk, __m256& d, __m256& m) {
+  if constexpr (T == kQ4_1) {
+    uint32_t dm;
+    std::memcpy(&dm, blk, 4);
+    const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dm)));
+    d = _mm256_broadcastss_ps(v);
+    m = _mm256_broadcastss_ps(_mm_movehdup_ps(v));
+  } else {
+    const float s = half_at(blk);
+    d = _mm256_set1_ps(s);
+    m = _mm256_set1_ps(T == kQ4_0 ? -8.0f * s : 0.0f);
+  }
+}
+
 // x_b . q_b for one block of one weight row, the quants not yet scaled (the one-row tile
 // below scales per block), x's block given as its 4 chunks of 8. A Q4 block's 16 bytes are
 // loaded once and split into low nibbles (weights 0-15) and high ones (16-31): 33
@@ -187,15 +205,16 @@ inline void dot_tile(const float* x, int64_t K, const float* /*sums*/, int64_t n
     __m256 acc[NR];
     for (auto& a : acc) a = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      float d[NR], m[NR];
-      block_scales<T, NR>(w + b * bytes, row_bytes, d, m);
       __m256 xv[4];
       for (int c = 0; c < 4; ++c) xv[c] = _mm256_loadu_ps(x + b * kBlock + 8 * c);
       const __m256 xs = _mm256_add_ps(_mm256_add_ps(xv[0], xv[1]), _mm256_add_ps(xv[2], xv[3]));
       for (int n = 0; n < NR; ++n) {
-        const __m256 part = block_dot<T>(w + n * row_bytes + b * bytes, xv);
-        acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(d[n]), part, acc[n]);
-        if constexpr (T != kQ8_0) acc[n] = _mm256_fmadd_ps(_mm256_set1_ps(m[n]), xs, acc[n]);
+        const uint8_t* blk = w + n * row_bytes + b * bytes;
+        _mm_prefetch(reinterpret_cast<const char*>(blk + NR * row_bytes), _MM_HINT_T0);
+        __m256 d, m;
+        scale_vectors<T>(blk, d, m);
+        acc[n] = _mm256_fmadd_ps(d, block_dot<T>(blk, xv), acc[n]);
+        if constexpr (T != kQ8_0) acc[n] = _mm256_fmadd_ps(m, xs, acc[n]);
       }
     }
     for (int n = 0; n < NR; ++n) out[n] = hsum(acc[n]) + (bias ? bias[n] : 0.0f);
