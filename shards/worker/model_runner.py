@@ -21,6 +21,7 @@ from engine.sampling_params import SamplingParams
 from engine.speculation import SpeculationState, draft_step
 from shards.checkpoints.adapters import AdapterError
 from shards.checkpoints.loader import load_weights
+from shards.cpu import timings as startup_timings
 from shards.cpu.plan import bind_torch_threads
 from shards.model.attention import (
     AttentionMetadata,
@@ -33,6 +34,7 @@ from shards.model.grammar import Grammars
 from shards.model.layers import (
     PANEL_MAX_ROWS,
     TPContext,
+    _Matmul,
     cpu_bf16_products,
     drop_gguf_blocks,
     linear_weight_bytes,
@@ -118,6 +120,11 @@ BF16_TIMED_ROWS = 128
 BF16_WIDEN_RATIO = 0.8
 
 
+def _shapes(model: torch.nn.Module) -> list[list[int]]:
+    """Every weight a start-up timing multiplies by, as (N, K): what its seconds depend on."""
+    return [list(m.weight_shape) for m in model.modules() if isinstance(m, _Matmul)]
+
+
 @dataclass(slots=True)
 class _Seq:
     """A rank's own copy of a request, made from its NewRequestData (a frozen message) and
@@ -199,6 +206,7 @@ class ModelRunner:
         self.quant_int8 = False  # the blocks multiply x rounded to int8 (quant_products)
         self.quant_timings: dict[str, dict[int, tuple[float, float]]] = {}
         self.bf16_timings: tuple[float, float] | None = None  # (bf16, widened) at 128 rows
+        self.timings_read = {True: 0, False: 0}  # start-up timings read from disk, or timed
         # Torch's threads bound one per core (cpu_plan.bind_torch_threads): this thread,
         # which must be the one that runs the steps, and its OpenMP team.
         self._bound: list[int] = []  # native thread ids
@@ -240,6 +248,10 @@ class ModelRunner:
         load_weights(self.model, config.model)
         self.model.eval()
         self.matmul = self._pack_weights(config.cpu_matmul)
+        if self.timings_read[True]:
+            logger.info("start-up timings: %d read from an earlier start on this machine "
+                        "(%s), %d timed", self.timings_read[True],
+                        startup_timings.directory(), self.timings_read[False])
         drop_gguf_blocks(self.model)  # a path that multiplies by none of them
         # With raygen's CPU attention kernel come its norm and rotary kernels (the torch
         # backend stays the pure-torch reference).
@@ -299,7 +311,9 @@ class ModelRunner:
             elif self.quant_types:
                 # Bigger steps: oneDNN in bfloat16, or in float32 on the widened weights
                 # where that is faster (this Xeon emulates bf16: 2x slower at 128 rows).
-                self.bf16_timings = time_bf16_products(self.model, BF16_TIMED_ROWS)
+                self.bf16_timings = self._timed(
+                    ("bf16", _shapes(self.model), BF16_TIMED_ROWS),
+                    time_bf16_products, self.model, BF16_TIMED_ROWS)
                 if self.bf16_timings[1] < BF16_WIDEN_RATIO * self.bf16_timings[0]:
                     widen_bf16_weights(self.model)
                     self.weight_copy = "float32, widened from bfloat16"
@@ -348,6 +362,13 @@ class ModelRunner:
                 self._time_quantized()
         return "onednn"
 
+    def _timed(self, what: tuple, measure, *args, **kwargs) -> tuple[float, ...]:
+        """`measure(*args, **kwargs)`'s seconds, timed at an earlier start on this machine
+        or now (shards/cpu/timings.py); counted for the log."""
+        seconds, read = startup_timings.timed(what, lambda: measure(*args, **kwargs))
+        self.timings_read[read] += 1
+        return seconds
+
     def _time_quantized(self) -> None:
         """Keep the quantization blocks (or the bfloat16 kernel) for the steps they make
         faster, timed here for each kind of linear (shape and block type): where their lead
@@ -358,7 +379,9 @@ class ModelRunner:
             timings = self.quant_timings[kind] = {}
             up_to = 0
             for rows in QUANT_TIMED_ROWS:
-                float_s, blocks_s = timings[rows] = time_quant_products(linears, rows)
+                float_s, blocks_s = timings[rows] = self._timed(
+                    ("quant", kind, len(linears), rows, self.quant_int8),
+                    time_quant_products, linears, rows)
                 if blocks_s > QUANT_MAX_RATIO * float_s:
                     break
                 up_to = rows
@@ -378,14 +401,18 @@ class ModelRunner:
         threads: one-row steps where it is a tenth faster than oneDNN, and with panels the
         steps of 2 rows and more up to the most that PANEL_TIMINGS admits."""
         self.weight_copy = "panels" if panels else "K x N"
-        onednn_s, copy_s = time_copy_products(self.model, 1, rounds=5)
+        shapes = _shapes(self.model)
+        onednn_s, copy_s = self._timed((self.weight_copy, str(self.weight_dtype), shapes, 1, 5),
+                                       time_copy_products, self.model, 1, rounds=5)
         self.one_row_timings = (onednn_s, copy_s)
         self.one_row_weights = one_row_copy_pays(onednn_s, copy_s)
         up_to = 1
         if panels:
             self.panel_timings = {}
             for rows, most, _ in PANEL_TIMINGS:
-                timed = self.panel_timings[rows] = time_copy_products(self.model, rows, rounds=3)
+                timed = self.panel_timings[rows] = self._timed(
+                    ("panels", shapes, rows, 3),
+                    time_copy_products, self.model, rows, rounds=3)
                 if not panels_pay(rows, *timed):
                     break
                 up_to = most

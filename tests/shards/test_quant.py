@@ -96,33 +96,53 @@ TEXT = ("Ray Serve runs a text-generation server as deployments: an ingress vali
         "over HTTP, and the Ray dashboard shows every actor and its metrics. ") * 3
 
 
+def _score(llm, quant_rows: int) -> list[float]:
+    """TEXT's first 256 tokens' prompt logprobs in steps of 4 tokens (chunked prefill), the
+    steps of up to `quant_rows` rows through the file's blocks (0: the float32 weights)."""
+    from engine.sampling_params import SamplingParams
+    from shards.model.layers import set_quant_rows
+
+    set_quant_rows(llm.runner.model, quant_rows)
+    ids = llm.tokenizer(TEXT).input_ids[:256]
+    params = SamplingParams(max_new_tokens=1, prompt_logprobs=True)
+    return llm.generate([ids], params)[0].prompt_logprobs[1:]
+
+
+@pytest.fixture(scope="module")
+def q4_1_float32():
+    """SmolLM2's Q4_1 file with float32 products, and its scores through the float32
+    weights: the reference of both kinds of products."""
+    from deployments.offline import LLM
+    from tests.reference import smollm2_gguf
+
+    llm = LLM(str(smollm2_gguf()), num_blocks=64, max_batch_prefill_tokens=4,
+              quant_products="float32")
+    return llm, _score(llm, 0)
+
+
 # Teacher-forced on TEXT, blocks against the dequantized float32 weights, on SmolLM2's Q4_1
 # file (benchmarks/NOTES.md 56, 58): x in float32, mean |difference| 7.5e-6 and max 5.9e-5;
 # x rounded to int8 blocks (llama.cpp's arithmetic), mean 0.044 and max 0.44.
 @pytest.mark.parametrize(("products", "mean_bound", "max_bound"),
                          [("float32", 1e-4, 1e-3), ("int8", 0.1, 1.0)])
 def test_a_real_q4_1_file_scores_real_text_as_its_dequantized_weights_do(products, mean_bound,
-                                                                         max_bound):
-    """Prompt logprobs of a fixed text in steps of 4 tokens (chunked prefill), through the
-    file's blocks and through the float32 weights."""
+                                                                         max_bound,
+                                                                         q4_1_float32):
+    """Prompt logprobs of a fixed text through the file's blocks and through the float32
+    weights (the same in both: the blocks alone take x in int8)."""
     from deployments.offline import LLM
-    from engine.sampling_params import SamplingParams
-    from shards.model.layers import set_quant_rows
     from tests.reference import smollm2_gguf
 
     if products == "int8" and not kernels.quant_i8_supported():
         pytest.skip("no AVX-512 VNNI on this CPU")
-    llm = LLM(str(smollm2_gguf()), num_blocks=64, max_batch_prefill_tokens=4,
-              quant_products=products)
+    llm, reference = q4_1_float32
+    if products != "float32":
+        llm = LLM(str(smollm2_gguf()), num_blocks=64, max_batch_prefill_tokens=4,
+                  quant_products=products)
     assert llm.runner.quant_int8 == (products == "int8")
-    ids = llm.tokenizer(TEXT).input_ids[:256]
-    params = SamplingParams(max_new_tokens=1, prompt_logprobs=True)
-    scored = {}
-    for rows in (0, 4):
-        set_quant_rows(llm.runner.model, rows)
-        scored[rows] = llm.generate([ids], params)[0].prompt_logprobs[1:]
-    diffs = [abs(a - b) for a, b in zip(scored[0], scored[4], strict=True)]
-    assert len(diffs) == 255 and scored[0] != scored[4]  # the blocks ran
+    scored = _score(llm, 4)
+    diffs = [abs(a - b) for a, b in zip(reference, scored, strict=True)]
+    assert len(diffs) == 255 and reference != scored  # the blocks ran
     mean = sum(diffs) / len(diffs)
     assert mean < mean_bound and max(diffs) < max_bound, (mean, max(diffs))
 
@@ -185,13 +205,15 @@ def test_a_float_checkpoint_quantized_at_load_scores_near_its_float_weights(llam
             AppArgs(**{"model": llama_dir, "quantize": "q8_0", **bad})
 
 
-def test_each_kind_of_linear_keeps_its_blocks_up_to_its_own_timed_rows(llama_dir, monkeypatch):
+def test_each_kind_of_linear_keeps_its_blocks_up_to_its_own_timed_rows(llama_dir, monkeypatch,
+                                                                       tmp_path):
     """The start-up timing runs per kind of linear (weight shape and block type): each keeps
     its blocks for the steps of up to the most rows where they were at least as fast as the
     float path, and `quant_rows` (every linear's) is the least of those. Here the timings
     are set: blocks lose from 12 rows on for the attention's output projection (the one
     square weight), from 4 for the rest."""
     from deployments.offline import LLM
+    from shards.cpu import timings as startup_timings
     from shards.model.layers import _Matmul
     from shards.worker import model_runner
 
@@ -200,6 +222,7 @@ def test_each_kind_of_linear_keeps_its_blocks_up_to_its_own_timed_rows(llama_dir
         return 1.0, (1.5 if rows >= (12 if n == k else 4) else 1.0)  # (float path, blocks)
 
     monkeypatch.setattr(model_runner, "time_quant_products", timed)
+    monkeypatch.setattr(startup_timings, "directory", lambda: tmp_path)  # none kept before
     runner = LLM(llama_dir, num_blocks=64, quantize="q8_0").runner
     by_kind = runner.compute_path()["quant_blocks"]["steps_up_to_rows_by_linear"]
     assert len(by_kind) >= 3 and all(kind.endswith(" Q8_0") for kind in by_kind)

@@ -1,0 +1,62 @@
+"""Start-up timings are kept per machine (shards/cpu/timings.py): a second start of the same
+products reads them and chooses as the first did; anything else times again."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shards.cpu import timings as startup_timings
+
+
+@pytest.fixture
+def kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(startup_timings, "directory", lambda: tmp_path)
+    return tmp_path
+
+
+def test_a_timing_is_read_back_and_another_key_times_again(kept):
+    calls = []
+
+    def measure(seconds):
+        return lambda: calls.append(seconds) or (seconds, 2 * seconds)
+
+    assert startup_timings.timed(("quant", "576x576 Q4_1", 30, 8), measure(1.0)) == \
+        ((1.0, 2.0), False)
+    assert startup_timings.timed(("quant", "576x576 Q4_1", 30, 8), measure(9.0)) == \
+        ((1.0, 2.0), True)
+    assert startup_timings.timed(("quant", "576x576 Q4_1", 30, 16), measure(3.0)) == \
+        ((3.0, 6.0), False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:  # the same products on more threads time differently
+        assert startup_timings.timed(("quant", "576x576 Q4_1", 30, 8), measure(4.0))[1] is False
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [1.0, 3.0, 4.0]
+    assert len(list(kept.glob("*.json"))) == 3 and not list(kept.glob(".tmp-*"))
+
+
+def test_a_damaged_or_foreign_file_is_timed_again_and_replaced(kept):
+    what = ("copy", [[8, 8]], 1, 5)
+    startup_timings.timed(what, lambda: (1.0, 1.0))
+    (path,) = kept.glob("*.json")
+    for text in ("{not json", json.dumps({"key": "another", "seconds": [5.0, 5.0]})):
+        path.write_text(text)
+        assert startup_timings.timed(what, lambda: (2.0, 3.0)) == ((2.0, 3.0), False)
+        assert startup_timings.timed(what, lambda: (7.0, 7.0)) == ((2.0, 3.0), True)
+
+
+def test_a_second_start_reads_every_timing_and_chooses_the_same(llama_dir, kept):
+    from deployments.offline import LLM
+
+    first = LLM(llama_dir, num_blocks=16, quantize="q8_0").runner
+    second = LLM(llama_dir, num_blocks=16, quantize="q8_0").runner
+    assert first.timings_read[False] > 0 and first.timings_read[True] == 0
+    assert second.timings_read == {True: first.timings_read[False], False: 0}
+    assert second.quant_timings == first.quant_timings and second.quant_timings
+    assert second.quant_rows_by_kind == first.quant_rows_by_kind
+    assert second.one_row_timings == first.one_row_timings
+    assert second.panel_timings == first.panel_timings
