@@ -36,7 +36,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,9 +85,7 @@ def _serve_config(import_path: str, args: dict, host: str = "127.0.0.1") -> str:
     config = {"http_options": {"host": host, "port": PORT},
               "applications": [{"name": "bench", "route_prefix": "/", "import_path": import_path,
                                 "args": args}]}
-    path = Path(tempfile.mkdtemp(prefix="raygen-compare-")) / "serve.json"
-    path.write_text(json.dumps(config))  # YAML is a superset of JSON
-    return str(path)
+    return load.serve_config_file(config)
 
 
 def make_servers(args: argparse.Namespace) -> list[Server]:

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
+import os
 import random
 import signal
 import statistics
+import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
@@ -32,6 +36,22 @@ def default_sigint() -> None:
     ignored, Python then installs no KeyboardInterrupt handler, and `serve run` would
     sleep through the stop until it is killed (leaving Serve's HAProxy behind)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def serve_config_file(config: dict) -> str:
+    """A `serve run` config file holding `config` (YAML is a superset of JSON), named by its
+    contents in one directory under the temporary one: the same config is the same file, so
+    runs leave no directory behind each (a run may end by os._exit, with no clean-up)."""
+    text = json.dumps(config, sort_keys=True)
+    directory = Path(tempfile.gettempdir()) / "raygen-serve-configs"
+    directory.mkdir(exist_ok=True)
+    path = directory / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    if not path.exists():
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)  # whole: another run may read it at once
+    return str(path)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.serve import StreamError, default_sigint, sse_events
+from benchmarks.serve import StreamError, default_sigint, serve_config_file, sse_events
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ROUTER = "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter"
@@ -166,9 +166,7 @@ def serve_config(model: str, port: int, apps: dict[str, tuple]) -> str:
             "args": {"model": model, "max_concurrent_requests": 256},
             "deployments": [batcher]})
     config = {"http_options": {"host": "127.0.0.1", "port": port}, "applications": applications}
-    path = Path(tempfile.mkdtemp(prefix="raygen-sessions-")) / "serve.json"
-    path.write_text(json.dumps(config))
-    return str(path)
+    return serve_config_file(config)
 
 
 def wait_healthy(base: str, apps, proc: subprocess.Popen, timeout: float) -> None:
