@@ -43,8 +43,9 @@ def _cpu_name() -> str:
 def timed(what: tuple, measure: Callable[[], tuple[float, ...]]) -> tuple[tuple[float, ...], bool]:
     """`measure()`'s seconds for the products that `what` names (shapes, rows, rounds), and
     whether they were read rather than timed. The CPU's name and this process's torch
-    threads complete the key; the kernel build's directory, the CPU's flags and the
-    sources."""
+    threads complete the key; the directory's name holds the CPU's flags, torch's version
+    and the kernel sources. Ranks of one group that time the same products at once keep
+    the first one's (each rank's own timing ran beside the others, as it did before)."""
     key = json.dumps([*what, _cpu_name(), torch.get_num_threads()])
     path = directory() / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.json"
     try:
