@@ -115,12 +115,16 @@ class Batcher:
     async def generate(self, request: GenerateInput) -> AsyncIterator[RequestOutput | Routed]:
         channel = self.channels.get(request.channel) if request.channel else None
         if request.channel is not None:
-            yield Routed(self.replica_id, channel.id if channel is not None else None)
             # Any generation of this ingress keeps its channel from closing idle: one
             # that started before the channel opened (a long prefill) is still its load.
+            # Counted before the ingress is told to read the channel: the yield can wait
+            # (Serve sends the item on), and a channel whose idle time ran out meanwhile
+            # ended under the generation it had just been given (entry 76).
             self.ingress_active[request.channel] = self.ingress_active.get(request.channel, 0) + 1
         outputs = self._outputs(request)
         try:
+            if request.channel is not None:
+                yield Routed(self.replica_id, channel.id if channel is not None else None)
             async for output in outputs:
                 if channel is None:
                     yield output

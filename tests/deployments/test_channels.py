@@ -286,3 +286,55 @@ def test_the_ingress_closes_its_channels_when_serve_stops_it(llama_dir):
         assert channel.cancelled and ingress.channels.replicas == {}
 
     asyncio.run(main())
+
+
+def test_a_generation_keeps_its_channel_open_from_the_moment_it_is_routed(monkeypatch):
+    """The batcher replica's side (deployments/batcher.py): a generation counts against its
+    ingress's channel before its `Routed` goes out. Serve may hold the generator at that
+    yield; a channel whose idle time ran out meanwhile ended under the generation it had
+    just been given, which its ingress then failed (a 503 in test_faults, entry 76)."""
+    from deployments import batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "CHANNEL_IDLE_S", 0.05)
+    finish: dict[str, asyncio.Event] = {}
+
+    async def outputs_of(request):
+        await finish[request.request_id].wait()
+        yield out(request.request_id, 7, finished=True)
+
+    replica = SimpleNamespace(replica_id="A", channels={}, ingress_active={},
+                              channel_counts=dict.fromkeys(("opened", "messages", "outputs",
+                                                            "tokens"), 0),
+                              metrics=SimpleNamespace(inc=lambda *args: None),
+                              _outputs=outputs_of)
+
+    def generation(i: int):
+        finish[f"r{i}"] = asyncio.Event()
+        return batcher_module.Batcher.generate(
+            replica, GenerateInput(f"r{i}", [1, 2, 3], SamplingParams(), channel="key"))
+
+    async def main():
+        channel_call = batcher_module.Batcher.outputs(replica, OpenChannel("key", "c1", "A"))
+        assert (await anext(channel_call)).accepted
+        batches = asyncio.ensure_future(anext(channel_call))
+        first = generation(0)
+        assert await anext(first) == Routed("A", "c1")
+        finish["r0"].set()
+        assert [o async for o in first] == []  # its output went into the channel
+        assert [o.request_id for o in await batches] == ["r0"]
+        # The next generation is routed to the channel just before its idle time runs out,
+        # and held there for longer than that time.
+        batches = asyncio.ensure_future(anext(channel_call))
+        second = generation(1)
+        assert await anext(second) == Routed("A", "c1")
+        await asyncio.sleep(4 * batcher_module.CHANNEL_IDLE_S)
+        assert not batches.done() and "key" in replica.channels
+        finish["r1"].set()
+        assert [o async for o in second] == []
+        assert [o.request_id for o in await asyncio.wait_for(batches, 5)] == ["r1"]
+        # With nothing left, it ends idle.
+        with pytest.raises(StopAsyncIteration):
+            await asyncio.wait_for(anext(channel_call), 5)
+        assert replica.channels == {} and replica.ingress_active == {}
+
+    asyncio.run(main())
