@@ -1,5 +1,5 @@
 """Start-up timings, kept per machine: a shard times some products at start-up to choose
-how its steps multiply (model_runner: the one-row weight copy, the panels, a GGUF file's
+how its steps multiply (worker/weight_plan.py: the one-row weight copy, the panels, a GGUF file's
 blocks), about 5 s of a core for SmolLM2's Q4_1 file. The same products on the same CPU,
 kernel build and threads time the same, so each timing is written beside the kernel build
 (`shards.cpu.kernels.build_dir()/timings`) and a later start reads it. Deleting that

@@ -21,7 +21,7 @@ from shards.checkpoints.gguf_weights import BF16_KERNEL_TYPE, KERNEL_TYPES
 # has (1 to a prefill's hundreds) as well as or better than the others measured.
 ONEDNN_BATCH_HINT = 32
 # Steps of up to this many rows may use the panel copy (`_Matmul`), where the start-up
-# timings admit them (shards/worker/model_runner.py): alone the panels took 0.69-0.97x
+# timings admit them (shards/worker/weight_plan.py): alone the panels took 0.69-0.97x
 # oneDNN's time from 2 to 64 rows and tied it at 128-256 (benchmarks/NOTES.md 47-48).
 PANEL_MAX_ROWS = 256
 

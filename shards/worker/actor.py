@@ -269,12 +269,12 @@ class ShardActor:
             "torch_thread_cores": (sorted(os.sched_getaffinity(self._torch_tid))
                                    if self._torch_tid else None),
             "cores_shared": self.cores_shared,
-            "one_row_weights": self.runner.one_row_weights if self.runner else None,
-            "one_row_timings": self.runner.one_row_timings if self.runner else None,
-            "weight_copy": self.runner.weight_copy if self.runner else None,
-            "panel_rows": self.runner.panel_rows if self.runner else None,
-            "panel_timings": self.runner.panel_timings if self.runner else None,
+            "one_row_weights": self.runner.weights.one_row_weights if self.runner else None,
+            "one_row_timings": self.runner.weights.one_row_timings if self.runner else None,
+            "weight_copy": self.runner.weights.weight_copy if self.runner else None,
+            "panel_rows": self.runner.weights.panel_rows if self.runner else None,
+            "panel_timings": self.runner.weights.panel_timings if self.runner else None,
             # A GGUF file's quantized blocks: linears by type, and the steps that use them.
-            "quant_types": self.runner.quant_types if self.runner else None,
-            "quant_rows": self.runner.quant_rows if self.runner else None,
+            "quant_types": self.runner.weights.quant_types if self.runner else None,
+            "quant_rows": self.runner.weights.quant_rows if self.runner else None,
         }

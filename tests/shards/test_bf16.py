@@ -42,7 +42,7 @@ def test_bfloat16_weights_score_real_text_close_to_float32():
     mean = sum(diffs) / len(diffs)
     assert 0 < mean < 0.05 and max(diffs) < 0.3, (mean, max(diffs))
     assert answers["bfloat16"] == answers["float32"]
-    assert bf16.weight_copy in (None, "float32, widened from bfloat16")  # as timed
+    assert bf16.weights.weight_copy in (None, "float32, widened from bfloat16")  # as timed
     assert answers["float32"].startswith("The capital of France is Paris")
 
 
@@ -62,17 +62,17 @@ def test_bfloat16_without_native_products_multiplies_bf16_weights_in_the_block_k
     token for token."""
     from transformers import AutoModelForCausalLM
 
-    from shards.worker.model_runner import bf16_block_kernel
+    from shards.worker.weight_plan import bf16_block_kernel
 
     if not bf16_block_kernel("auto"):
         pytest.skip("raygen's CPU kernels are not built for this CPU")
     no_native_bf16(monkeypatch)
     llm = LLM(llama_dir, num_blocks=256, dtype="bfloat16", max_batch_prefill_tokens=64)
     runner = llm.runner
-    assert (runner.weight_dtype, runner.dtype, runner.matmul) == (torch.bfloat16,
-                                                                  torch.float32, "onednn")
-    assert runner.quant_types["BF16"] > 0  # every linear whose inputs are whole blocks of 32
-    assert runner.quant_rows >= 1  # the kernel serves the one-row steps at least
+    assert (runner.weight_dtype, runner.dtype, runner.weights.matmul) == \
+        (torch.bfloat16, torch.float32, "onednn")
+    assert runner.weights.quant_types["BF16"] > 0  # each linear of whole blocks of 32
+    assert runner.weights.quant_rows >= 1  # the kernel serves the one-row steps at least
     # The reference: float32, with the linears' weights (the head's too, untied from the
     # embedding, which raygen keeps in float32 for its lookups) rounded to bfloat16.
     model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.float32).eval()
@@ -98,8 +98,8 @@ def test_bfloat16_without_native_products_or_kernels_runs_in_torch(llama_dir, mo
     no_native_bf16(monkeypatch)
     llm = LLM(llama_dir, num_blocks=64, dtype="bfloat16", attention_backend="torch")
     runner = llm.runner
-    assert (runner.dtype, runner.matmul, runner.backend.name) == (torch.bfloat16, "torch",
-                                                                  "torch")
+    assert (runner.dtype, runner.weights.matmul, runner.backend.name) == \
+        (torch.bfloat16, "torch", "torch")
     model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16).eval()
     prompts = make_prompts(runner.model_config.vocab_size, [5, 40], seed=4)
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=8, top_n_tokens=1))

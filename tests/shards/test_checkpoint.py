@@ -31,7 +31,7 @@ def test_gguf_greedy_equals_transformers_gguf_loading():
     llm = LLM(str(SMOLLM2), num_blocks=128)
     # Steps of up to 8 rows multiply by the file's own blocks (whatever the start-up
     # timings chose): qkv, o, gate_up and down of 30 layers in Q4_1, the tied head in Q8_0.
-    assert llm.runner.quant_types == {"Q4_1": 120, "Q8_0": 1}
+    assert llm.runner.weights.quant_types == {"Q4_1": 120, "Q8_0": 1}
     set_quant_rows(llm.runner.model, 8)
     # The file's special tokens, not the converter's guess: grammars end on this EOS.
     assert llm.tokenizer.eos_token == "<|im_end|>"

@@ -28,7 +28,7 @@ def test_a_mixed_batch_equals_transformers_and_peft_for_every_adapter(llama_dir,
     """raygen's CPU kernels (decode rows through lora_add, where built) and the torch path
     (a masked product over every adapter: CUDA's)."""
     llm = LLM(llama_dir, num_blocks=256, lora_adapters=adapters, attention_backend=backend)
-    lora = next(iter(llm.runner.lora.layers.values())).lora
+    lora = next(iter(llm.runner.adapters.lora.layers.values())).lora
     assert (lora.kernels is not None) == (backend == "cpu" and llm.runner.backend.name == "cpu")
     prompts = make_prompts(2048, [5, 17, 33, 9, 40, 3, 21, 12], seed=3)
     new_tokens = [12, 7, 10, 16, 5, 14, 9, 11]
@@ -146,24 +146,24 @@ def test_adapters_added_and_removed_between_steps(llama_dir, adapters):
     step()
     reader.join()
     runner.stage_adapter("bad", "/nonexistent/adapter")
-    assert list(runner.staged_adapters) == [("beta@1", adapters["beta"])]
+    assert list(runner.adapters.staged) == [("beta@1", adapters["beta"])]
     engine.add_adapter("beta@1", adapters["beta"])  # while "base" runs
     engine.add_request("late", prompts[1], SamplingParams(max_new_tokens=8, adapter="beta@1"))
     step()
-    assert runner.lora is not None and runner.lora.slots == {"beta@1": 1}
-    assert runner.staged_adapters == {}  # taken by the step
+    assert runner.adapters.lora is not None and runner.adapters.lora.slots == {"beta@1": 1}
+    assert runner.adapters.staged == {}  # taken by the step
     engine.remove_adapter("beta@1")  # "late" still runs: dropped after it
     with pytest.raises(ValueError, match="'beta@1' is not loaded"):
         engine.add_request("refused", prompts[1], SamplingParams(adapter="beta@1"))
     while "late" in engine.scheduler.requests:
-        assert "beta@1" in runner.lora.slots
+        assert "beta@1" in runner.adapters.lora.slots
         step()
     while engine.has_unfinished_requests():
         step()
     assert got["late"] == peft_greedy(llama_dir, adapters["beta"], prompts[1], 8)
     assert got["base"] == hf_greedy(llama_dir, prompts[0], 12)
     llm.generate([prompts[0]], SamplingParams(max_new_tokens=1))  # the next step drops it
-    assert runner.lora.slots == {}
+    assert runner.adapters.lora.slots == {}
     with pytest.raises(ValueError, match="already loaded"):
         engine.add_adapter("gamma", adapters["gamma"])
         engine.add_adapter("gamma", adapters["gamma"])
@@ -196,7 +196,7 @@ def test_max_cpu_loras_drops_the_least_recently_used_idle_adapter(llama_dir, ada
     assert engine.add_adapter("c@3", adapters["gamma"]) == ["b@2"]
     out = llm.generate([prompt], SamplingParams(max_new_tokens=6, adapter="c@3"))[0]
     assert out.token_ids == peft_greedy(llama_dir, adapters["gamma"], prompt, 6)
-    assert set(llm.runner.lora.slots) == {"a@1", "c@3"} == engine.adapters
+    assert set(llm.runner.adapters.lora.slots) == {"a@1", "c@3"} == engine.adapters
     # An adapter with a request waiting is never dropped: the limit is passed instead.
     engine.add_request("busy", prompt, SamplingParams(max_new_tokens=2, adapter="a@1"))
     engine.add_request("busy2", prompt, SamplingParams(max_new_tokens=2, adapter="c@3"))

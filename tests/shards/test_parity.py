@@ -145,7 +145,7 @@ def test_either_cpu_matmul_matches_transformers(cpu_matmul, arch, llama_dir, qwe
     model_dir = llama_dir if arch == "llama" else qwen2_dir
     llm = LLM(model_dir, num_blocks=256, cpu_matmul=cpu_matmul, device="cpu")
     model = llm.runner.model
-    assert llm.runner.matmul == cpu_matmul
+    assert llm.runner.weights.matmul == cpu_matmul
     linears = [m for m in model.modules() if hasattr(m, "packed")]
     assert len(linears) == 4 * len(model.model.layers) + 1
     assert all((m.packed is not None) == (cpu_matmul == "onednn") for m in linears)
@@ -170,14 +170,14 @@ def copy_pays(monkeypatch):
     """Whether the start-up timings find the weight copy faster, decided by the test (on
     the tiny test models either can win): for one-row steps, and (panels only) for steps
     of 2 to `up_to` rows, one of PANEL_TIMINGS' bounds (1: none)."""
-    from shards.worker import model_runner
+    from shards.worker import weight_plan
 
     def force(one_row: bool, up_to: int = 1) -> list:
         timed = []
-        most = {rows: most for rows, most, _ in model_runner.PANEL_TIMINGS}
-        monkeypatch.setattr(model_runner, "one_row_copy_pays",
+        most = {rows: most for rows, most, _ in weight_plan.PANEL_TIMINGS}
+        monkeypatch.setattr(weight_plan, "one_row_copy_pays",
                             lambda onednn_s, copy_s: timed.append((onednn_s, copy_s)) or one_row)
-        monkeypatch.setattr(model_runner, "panels_pay",
+        monkeypatch.setattr(weight_plan, "panels_pay",
                             lambda rows, onednn_s, panels_s: timed.append((onednn_s, panels_s))
                             or most[rows] <= up_to)
         return timed
@@ -242,9 +242,9 @@ def test_one_row_products_on_the_copy_match_transformers(arch, threads, llama_di
     timed = copy_pays(True)
     llm = LLM(model_dir, num_blocks=256, cpu_threads=threads, device="cpu")
     linears = [m for m in llm.runner.model.modules() if isinstance(m, _Matmul)]
-    assert llm.runner.one_row_weights and torch.get_num_threads() == threads
-    assert llm.runner.weight_copy == "K x N" and llm.runner.panel_timings is None
-    assert timed == [llm.runner.one_row_timings] and min(timed[0]) > 0
+    assert llm.runner.weights.one_row_weights and torch.get_num_threads() == threads
+    assert llm.runner.weights.weight_copy == "K x N" and llm.runner.weights.panel_timings is None
+    assert timed == [llm.runner.weights.one_row_timings] and min(timed[0]) > 0
     assert all(m.transposed is not None and m.packed is not None and m.panels is None
                for m in linears)
     got, calls, _ = run_counting(llm, parity_prompts)
@@ -252,8 +252,9 @@ def test_one_row_products_on_the_copy_match_transformers(arch, threads, llama_di
     assert got == references(model_dir, parity_prompts, PARITY_NEW_TOKENS)
     explicit = LLM(model_dir, num_blocks=16, cpu_threads=threads, cpu_matmul="onednn",
                    device="cpu")
-    assert not explicit.runner.one_row_weights  # onednn: one copy of the weights, untimed
-    assert explicit.runner.one_row_timings is None and explicit.runner.weight_copy is None
+    assert not explicit.runner.weights.one_row_weights  # onednn: one copy of the weights, untimed
+    plan = explicit.runner.weights
+    assert plan.one_row_timings is None and plan.weight_copy is None
     assert all(m.transposed is None and m.panels is None
                for m in explicit.runner.model.modules() if isinstance(m, _Matmul))
 
@@ -272,7 +273,7 @@ def test_panel_products_match_transformers(arch, threads, one_row, up_to, llama_
     the same greedy tokens as transformers. A timing runs only where the one before it
     passed."""
     from shards.model.layers import PANEL_MAX_ROWS, _Matmul
-    from shards.worker.model_runner import PANEL_TIMINGS
+    from shards.worker.weight_plan import PANEL_TIMINGS
 
     assert PANEL_TIMINGS[-1][1] == PANEL_MAX_ROWS
     model_dir = llama_dir if arch == "llama" else qwen2_dir
@@ -280,9 +281,9 @@ def test_panel_products_match_transformers(arch, threads, one_row, up_to, llama_
     llm = LLM(model_dir, num_blocks=256, cpu_threads=threads, device="cpu")
     runner = llm.runner
     rows = (1 if one_row else 2, up_to)
-    assert runner.weight_copy == "panels" and runner.panel_rows == rows
-    assert list(runner.panel_timings) == ([32] if up_to == 1 else [32, 160])
-    assert timed == [runner.one_row_timings, *runner.panel_timings.values()]
+    assert runner.weights.weight_copy == "panels" and runner.weights.panel_rows == rows
+    assert list(runner.weights.panel_timings) == ([32] if up_to == 1 else [32, 160])
+    assert timed == [runner.weights.one_row_timings, *runner.weights.panel_timings.values()]
     assert min(min(t) for t in timed) > 0
     linears = [m for m in runner.model.modules() if isinstance(m, _Matmul)]
     assert all(m.panels is not None and m.transposed is None and m.panel_rows == rows
@@ -301,8 +302,8 @@ def test_a_copy_that_does_not_pay_is_dropped(llama_dir, parity_prompts, keep_tor
     timed = copy_pays(False)
     llm = LLM(llama_dir, num_blocks=256, device="cpu")
     panels = kernel is not None and kernel.panels_supported()
-    assert len(timed) == (2 if panels else 1) and not llm.runner.one_row_weights
-    assert llm.runner.weight_copy is None and llm.runner.panel_rows is None
+    assert len(timed) == (2 if panels else 1) and not llm.runner.weights.one_row_weights
+    assert llm.runner.weights.weight_copy is None and llm.runner.weights.panel_rows is None
     assert all(m.transposed is None and m.panels is None and m.packed is not None
                for m in llm.runner.model.modules() if isinstance(m, _Matmul))
     got, mm_calls, panel_calls = run_counting(llm, parity_prompts, kernel)
@@ -315,7 +316,8 @@ def test_the_copy_is_kept_only_where_it_is_timed_faster(llama_dir, keep_torch_th
     import math
 
     from shards.model.layers import time_copy_products
-    from shards.worker.model_runner import ModelRunner, ShardConfig, one_row_copy_pays, panels_pay
+    from shards.worker.model_runner import ModelRunner, ShardConfig
+    from shards.worker.weight_plan import one_row_copy_pays, panels_pay
 
     assert one_row_copy_pays(1.0, 0.9) and not one_row_copy_pays(1.0, 0.91)
     assert panels_pay(32, 1.0, 1.0) and not panels_pay(32, 1.0, 1.01)
@@ -334,25 +336,21 @@ def test_no_one_row_copy_where_it_would_not_leave_half_the_memory(llama_dir, mon
     `num_blocks` fixes where set, else the `kv_cache_memory` budget. Runners are built
     without their KV cache here; one with a single copy still serves. (Each copy made
     here is timed as paying.)"""
-    from shards.worker import model_runner
-    from shards.worker.model_runner import (
-        ModelRunner,
-        ShardConfig,
-        available_memory,
-        one_row_copy_fits,
-    )
+    from shards.worker import weight_plan
+    from shards.worker.model_runner import ModelRunner, ShardConfig
+    from shards.worker.weight_plan import available_memory, one_row_copy_fits
 
     copy_pays(True)
     assert one_row_copy_fits(10, 40, 100) and not one_row_copy_fits(11, 40, 100)
     # MemAvailable read once: it moves between reads (a Ray test before this one may still
     # be freeing memory), and these bounds are one byte either side of its half.
     available = available_memory()
-    monkeypatch.setattr(model_runner, "available_memory", lambda: available)
+    monkeypatch.setattr(weight_plan, "available_memory", lambda: available)
     half = available // 2
 
     def one_row(**cache) -> bool:
         config = ShardConfig(model=llama_dir, cpu_threads=1, device="cpu", **cache)
-        return ModelRunner(config).one_row_weights
+        return ModelRunner(config).weights.one_row_weights
 
     block = ModelRunner(ShardConfig(model=llama_dir, device="cpu")).block_bytes()
     assert not one_row(kv_cache_memory=half + 1)  # the budget alone passes half
@@ -360,9 +358,9 @@ def test_no_one_row_copy_where_it_would_not_leave_half_the_memory(llama_dir, mon
     assert one_row(num_blocks=16, kv_cache_memory=half + 1)  # num_blocks fixes a small cache
     assert one_row(kv_cache_memory=1 << 20)
     # Where memory is short, one thread runs one-token steps on the one reordered copy.
-    monkeypatch.setattr(model_runner, "available_memory", lambda: 1 << 20)
+    monkeypatch.setattr(weight_plan, "available_memory", lambda: 1 << 20)
     llm = LLM(llama_dir, num_blocks=16, cpu_threads=1, device="cpu")
-    assert not llm.runner.one_row_weights
+    assert not llm.runner.weights.one_row_weights
     prompt = make_prompts(2048, [9], seed=5)[0]
     got = llm.generate([prompt], SamplingParams(max_new_tokens=4))[0].token_ids
     assert got == hf_greedy(llama_dir, prompt, 4)

@@ -139,7 +139,7 @@ def test_a_real_q4_1_file_scores_real_text_as_its_dequantized_weights_do(product
     if products != "float32":
         llm = LLM(str(smollm2_gguf()), num_blocks=64, max_batch_prefill_tokens=4,
                   quant_products=products)
-    assert llm.runner.quant_int8 == (products == "int8")
+    assert llm.runner.weights.quant_int8 == (products == "int8")
     scored = _score(llm, 4)
     diffs = [abs(a - b) for a, b in zip(reference, scored, strict=True)]
     assert len(diffs) == 255 and reference != scored  # the blocks ran
@@ -215,18 +215,18 @@ def test_each_kind_of_linear_keeps_its_blocks_up_to_its_own_timed_rows(llama_dir
     from deployments.offline import LLM
     from shards.cpu import timings as startup_timings
     from shards.model.layers import _Matmul
-    from shards.worker import model_runner
+    from shards.worker import weight_plan
 
     def timed(linears, rows, rounds=3):
         n, k = linears[0].weight_shape
         return 1.0, (1.5 if rows >= (12 if n == k else 4) else 1.0)  # (float path, blocks)
 
-    monkeypatch.setattr(model_runner, "time_quant_products", timed)
+    monkeypatch.setattr(weight_plan, "time_quant_products", timed)
     monkeypatch.setattr(startup_timings, "directory", lambda: tmp_path)  # none kept before
     runner = LLM(llama_dir, num_blocks=64, quantize="q8_0").runner
     by_kind = runner.compute_path()["quant_blocks"]["steps_up_to_rows_by_linear"]
     assert len(by_kind) >= 3 and all(kind.endswith(" Q8_0") for kind in by_kind)
-    assert sorted(set(by_kind.values())) == [1, 8] and runner.quant_rows == 1
+    assert sorted(set(by_kind.values())) == [1, 8] and runner.weights.quant_rows == 1
     for name, m in runner.model.named_modules():
         if isinstance(m, _Matmul) and m.quant is not None:
             assert m.quant_rows == (8 if name.endswith("o_proj") else 1), name

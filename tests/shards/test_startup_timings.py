@@ -52,8 +52,8 @@ def test_a_damaged_or_foreign_file_is_timed_again_and_replaced(kept):
 def test_a_second_start_reads_every_timing_and_chooses_the_same(llama_dir, kept):
     from deployments.offline import LLM
 
-    first = LLM(llama_dir, num_blocks=16, quantize="q8_0").runner
-    second = LLM(llama_dir, num_blocks=16, quantize="q8_0").runner
+    first = LLM(llama_dir, num_blocks=16, quantize="q8_0").runner.weights
+    second = LLM(llama_dir, num_blocks=16, quantize="q8_0").runner.weights
     assert first.timings_read[False] > 0 and first.timings_read[True] == 0
     assert second.timings_read == {True: first.timings_read[False], False: 0}
     assert second.quant_timings == first.quant_timings and second.quant_timings

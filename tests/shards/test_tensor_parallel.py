@@ -84,7 +84,7 @@ def test_tp2_equals_tp1_and_transformers_with_staggered_arrivals(llama_dir, toke
 
 def staged(group: ShardGroup) -> list[list[tuple[str, str]]]:
     """Each rank's adapters read ahead and not yet loaded."""
-    return ray.get([a.__ray_call__.remote(lambda self: list(self.runner.staged_adapters))
+    return ray.get([a.__ray_call__.remote(lambda self: list(self.runner.adapters.staged))
                     for a in group.actors])
 
 
@@ -451,9 +451,9 @@ def kept_one_row_copy_where_it_paid(placement: dict) -> bool:
     """A rank timed its products both ways on its own threads, and kept the weight copy
     exactly for the steps where it was faster by the margin: one-row steps, and with
     panels those of 2 rows up to the most that the timings at PANEL_TIMINGS' row counts
-    admit, each timed only where the one before it passed (shards/worker/model_runner.py). A
+    admit, each timed only where the one before it passed (shards/worker/weight_plan.py). A
     copy that serves no step is gone."""
-    from shards.worker.model_runner import PANEL_TIMINGS, one_row_copy_pays, panels_pay
+    from shards.worker.weight_plan import PANEL_TIMINGS, one_row_copy_pays, panels_pay
 
     timings, panel_timings = placement["one_row_timings"], placement["panel_timings"]
     one_row = placement["one_row_weights"]

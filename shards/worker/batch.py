@@ -1,0 +1,102 @@
+"""A step's batch on a rank: the attention's view of its rows, and its sampled rows made
+into the step's output (rank 0's), drafts kept up to the first one that differs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.messages import StepOutput
+from shards.model.attention import AttentionMetadata, PrefillSeq
+from shards.model.grammar import Grammars
+from shards.model.sampler import SampleRow, sample
+
+
+def metadata(backend, dev: torch.device, decodes, prefills, num_tokens: int,
+             slots: list[int] | None = None) -> AttentionMetadata:
+    """The attention's view of a step's rows: `decodes` as (sequence length, block ids),
+    then `prefills` as (first row, end row, tokens cached before, block ids)."""
+    if slots is None:
+        slots = list(range(num_tokens))
+    width = max((len(b) for _, b in decodes), default=0)
+    tables = torch.tensor([b + [0] * (width - len(b)) for _, b in decodes] or [[0]],
+                          dtype=torch.long, device=dev)[: len(decodes)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+        num_decodes=len(decodes),
+        decode_block_tables=tables,
+        decode_seq_lens=torch.tensor([n for n, _ in decodes], dtype=torch.long, device=dev),
+        prefills=[PrefillSeq(s, e, c, torch.tensor(b, dtype=torch.long, device=dev))
+                  for s, e, c, b in prefills],
+    )
+    if backend.needs_varlen_metadata:
+        add_varlen(meta, decodes, prefills, dev)
+    return meta
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """A row that draws a token: the request's next one, or the one after a draft
+    (`draft`: the draft token at this row's position, which the drawn token must equal for
+    the request's next row to count)."""
+
+    request_id: str
+    logit_row: int
+    row: SampleRow
+    draft: int | None = None
+
+
+def make_output(logits: torch.Tensor | None, samples: list[Sample],
+                 prompt_rows: dict[str, tuple[int, list[int]]],
+                 grammars: Grammars | None) -> tuple[StepOutput, list[int]]:
+    """Rank 0's output, and per sample row the token kept (-1: dropped, after a draft
+    that differed from what was drawn)."""
+    if logits is None:
+        return StepOutput([], [], [], []), []
+    errors: dict[str, str] = {}
+    result = None
+    kept: list[int] = []
+    if samples:
+        rows = logits[[s.logit_row for s in samples]]
+        if grammars is not None:
+            errors = grammars.mask(rows, [s.request_id for s in samples])
+        result = sample(rows, [s.row for s in samples])
+        # A drafting request keeps its rows up to the first draft that differs from what
+        # was drawn there; what is drawn is what decoding without drafts would draw.
+        failed: set[str] = set()
+        for s, token in zip(samples, result.token_ids, strict=True):
+            kept.append(-1 if s.request_id in failed else token)
+            if s.draft is not None and token != s.draft:
+                failed.add(s.request_id)
+        if grammars is not None:
+            errors |= grammars.advance([(s.request_id, token) for s, token
+                                        in zip(samples, kept, strict=True)
+                                        if token >= 0 and s.request_id not in errors])
+    prompt_logprobs = {}
+    if prompt_rows:
+        logp = logits.float().log_softmax(dim=-1)
+        for request_id, (first, targets) in prompt_rows.items():
+            rows = torch.arange(first, first + len(targets), device=logits.device)
+            target_ids = torch.tensor(targets, device=logits.device)
+            prompt_logprobs[request_id] = logp[rows, target_ids].tolist()
+    if result is None:
+        return StepOutput([], [], [], [], prompt_logprobs), kept
+    keep = [i for i, token in enumerate(kept) if token >= 0]
+    return StepOutput([samples[i].request_id for i in keep], [kept[i] for i in keep],
+                      [result.logprobs[i] for i in keep],
+                      [result.top_logprobs[i] for i in keep], prompt_logprobs, errors), kept
+
+
+def add_varlen(meta: AttentionMetadata, decodes, prefills, dev) -> None:
+    q_lens = [1] * len(decodes) + [e - s for s, e, _, _ in prefills]
+    seq_lens = [n for n, _ in decodes] + [c + e - s for s, e, c, _ in prefills]
+    tables = [b for _, b in decodes] + [b for _, _, _, b in prefills]
+    width = max(len(b) for b in tables)
+    meta.cu_seqlens_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()],
+                                     dtype=torch.int32, device=dev)
+    meta.seq_lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    meta.block_tables = torch.tensor([b + [0] * (width - len(b)) for b in tables],
+                                     dtype=torch.int32, device=dev)
+    meta.max_seqlen_q = max(q_lens)
+    meta.max_seqlen_k = max(seq_lens)
