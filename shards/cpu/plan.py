@@ -112,8 +112,13 @@ def bind_torch_threads(cores: list[int]) -> list[int]:
 
 
 def claims_path(node_id: str) -> str:
-    """The node's claims file: one per Ray node, so one per Ray session on a machine."""
-    return os.path.join(tempfile.gettempdir(), f"raygen-cores-{node_id}.json")
+    """The node's claims file: one per Ray node, so one per Ray session on a machine, in a
+    directory of the machine's temporary one (made here) that keeps only the files of nodes
+    with a live claim."""
+    folder = os.path.join(tempfile.gettempdir(), "raygen-cores")
+    with contextlib.suppress(OSError):  # then claiming fails, and says so
+        os.makedirs(folder, exist_ok=True)
+    return os.path.join(folder, f"{node_id}.json")
 
 
 def _start_time(pid: int) -> int | None:
@@ -125,23 +130,49 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
+def _is_live(pid: int, claim: dict) -> bool:
+    return claim.get("start") == _start_time(pid)
+
+
 @contextlib.contextmanager
 def _live_claims(path: str, pid: int):
-    """The node's live claims but `pid`'s own, under the file's lock; what the caller
-    leaves in the dict is written back."""
-    with open(path + ".lock", "a") as lock:
+    """The node's live claims but `pid`'s own, under the lock of the file's directory; what
+    the caller leaves in the dict is written back. The files of other nodes in that
+    directory with no live claim (Ray sessions that ended) are removed under the same lock:
+    one lock for every node, so none is taken on a file being removed."""
+    folder = os.path.dirname(path)
+    with open(os.path.join(folder, ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         claims: dict[str, dict] = {}
         with contextlib.suppress(FileNotFoundError, ValueError):
             with open(path) as f:
                 claims = json.load(f)
-        live = {p: c for p, c in claims.items()
-                if int(p) != pid and c.get("start") == _start_time(int(p))}
+        live = {p: c for p, c in claims.items() if int(p) != pid and _is_live(int(p), c)}
         yield live
         tmp = f"{path}.{pid}.tmp"
         with open(tmp, "w") as f:
             json.dump(live, f)
         os.replace(tmp, path)
+        _drop_ended_nodes(folder, path)
+
+
+def _drop_ended_nodes(folder: str, keep: str) -> None:
+    """Called under the directory's lock, where no writer is between writing a file and
+    renaming it: a temporary file left is a dead writer's."""
+    for name in os.listdir(folder):
+        other = os.path.join(folder, name)
+        if other == keep or not name.endswith((".json", ".tmp")):
+            continue
+        if name.endswith(".json"):
+            try:
+                with open(other) as f:
+                    claims = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if any(p.isdigit() and _is_live(int(p), c) for p, c in claims.items()):
+                continue
+        with contextlib.suppress(OSError):
+            os.remove(other)
 
 
 def claim(path: str, pool: list[int], want: int, pid: int | None = None,

@@ -93,6 +93,32 @@ def test_register_counts_only_other_groups_live_ranks_on_the_same_cores(tmp_path
             p.wait()
 
 
+def test_a_node_s_file_goes_once_none_of_its_claims_is_live(tmp_path, monkeypatch):
+    """Each Ray node (so each Ray session) has its own claims file in one directory; a
+    claim on any node removes the files whose processes have all exited, and what a writer
+    that died mid-write left: the directory does not grow by a file per session."""
+    monkeypatch.setattr(cpu_plan.tempfile, "tempdir", str(tmp_path))
+    ours = cpu_plan.claims_path("ours")
+    folder = os.path.dirname(ours)
+    assert folder == str(tmp_path / "raygen-cores") and os.path.isdir(folder)
+    ended, live = cpu_plan.claims_path("ended"), cpu_plan.claims_path("live")
+    a, b = started(), started()
+    try:
+        cpu_plan.claim(ended, [0, 1], 1, a.pid)
+        cpu_plan.claim(live, [0, 1], 1, b.pid)
+        assert sorted(os.listdir(folder)) == [".lock", "ended.json", "live.json"]
+        a.kill()
+        a.wait()
+        with open(os.path.join(folder, "live.json.4242.tmp"), "w") as f:
+            f.write("{")
+        assert cpu_plan.claim(ours, [0, 1], 1) == ([0], 0)  # other nodes' claims: not ours
+        assert sorted(os.listdir(folder)) == [".lock", "live.json", "ours.json"]
+    finally:
+        for p in (a, b):
+            p.kill()
+            p.wait()
+
+
 def test_an_unwritable_claims_file_costs_only_the_claims(tmp_path):
     """A node where the claims file cannot be written still pins its shards: the first
     cores of the pool, and no sharing reported."""
