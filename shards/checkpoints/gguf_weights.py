@@ -142,7 +142,7 @@ def check_tensor_types(path: str | Path) -> None:
 # The quantization types whose blocks raygen's CPU kernels multiply by as they are
 # (shards/cpu/csrc/quant_linear.cpp), by the kernels' codes.
 KERNEL_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}
-BF16_KERNEL_TYPE = 3  # bfloat16 weights (shards/model/layers.py: pack_for_onednn)
+BF16_KERNEL_TYPE = 3  # bfloat16 weights (shards/cpu/layouts.py: pack_for_onednn)
 
 
 class GGUFSlice:

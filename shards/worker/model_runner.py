@@ -20,11 +20,12 @@ from engine.messages import StepDrafting, StepInput, StepOutput
 from engine.sampling_params import SamplingParams
 from engine.speculation import SpeculationState, draft_step
 from shards.checkpoints.loader import load_weights
+from shards.cpu.layouts import cpu_bf16_products, drop_gguf_blocks
 from shards.cpu.plan import bind_torch_threads
 from shards.model.attention import CpuPagedAttentionBackend, select_backend
 from shards.model.config import ModelConfig
 from shards.model.grammar import Grammars
-from shards.model.layers import TPContext, cpu_bf16_products, drop_gguf_blocks, use_cpu_kernels
+from shards.model.layers import TPContext, use_cpu_kernels
 from shards.model.llama import CausalLM
 from shards.model.sampler import SampleRow
 from shards.shard_config import ShardConfig

@@ -14,10 +14,8 @@ from collections.abc import Callable
 import torch
 
 from shards.cpu import timings as startup_timings
-from shards.model.attention import CpuPagedAttentionBackend
-from shards.model.layers import (
+from shards.cpu.layouts import (
     PANEL_MAX_ROWS,
-    _Matmul,
     linear_weight_bytes,
     onednn_usable,
     pack_for_onednn,
@@ -31,6 +29,8 @@ from shards.model.layers import (
     time_quant_products,
     widen_bf16_weights,
 )
+from shards.model.attention import CpuPagedAttentionBackend
+from shards.model.layers import _Matmul
 from shards.shard_config import ShardConfig
 
 logger = logging.getLogger(__name__)

@@ -48,10 +48,10 @@ def test_bfloat16_weights_score_real_text_close_to_float32():
 
 def no_native_bf16(monkeypatch) -> None:
     """As on this repository's AMD EPYC (AVX2), where oneDNN refuses bfloat16 weights."""
-    from shards.model import layers
+    from shards.cpu import layouts
     from shards.worker import model_runner
 
-    for module in (layers, model_runner):
+    for module in (layouts, model_runner):
         monkeypatch.setattr(module, "cpu_bf16_products", lambda: False)
 
 

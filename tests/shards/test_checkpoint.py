@@ -19,7 +19,7 @@ from deployments.offline import LLM
 from engine.sampling_params import SamplingParams
 from shards.checkpoints.gguf_weights import check_tensor_types, dequantize, hf_name, iter_gguf
 from shards.checkpoints.resolve import CheckpointError, find_gguf, model_dir
-from shards.model.layers import set_quant_rows
+from shards.cpu.layouts import set_quant_rows
 from tests.reference import smollm2_gguf, smollm2_transformers
 
 SMOLLM2 = smollm2_gguf()

@@ -272,7 +272,8 @@ def test_panel_products_match_transformers(arch, threads, one_row, up_to, llama_
     whose row counts the timings chose go through them (the rest through oneDNN), with
     the same greedy tokens as transformers. A timing runs only where the one before it
     passed."""
-    from shards.model.layers import PANEL_MAX_ROWS, _Matmul
+    from shards.cpu.layouts import PANEL_MAX_ROWS
+    from shards.model.layers import _Matmul
     from shards.worker.weight_plan import PANEL_TIMINGS
 
     assert PANEL_TIMINGS[-1][1] == PANEL_MAX_ROWS
@@ -315,7 +316,7 @@ def test_the_copy_is_kept_only_where_it_is_timed_faster(llama_dir, keep_torch_th
                                                         copy_pays, kernel):
     import math
 
-    from shards.model.layers import time_copy_products
+    from shards.cpu.layouts import time_copy_products
     from shards.worker.model_runner import ModelRunner, ShardConfig
     from shards.worker.weight_plan import one_row_copy_pays, panels_pay
 

@@ -100,7 +100,7 @@ def _score(llm, quant_rows: int) -> list[float]:
     """TEXT's first 256 tokens' prompt logprobs in steps of 4 tokens (chunked prefill), the
     steps of up to `quant_rows` rows through the file's blocks (0: the float32 weights)."""
     from engine.sampling_params import SamplingParams
-    from shards.model.layers import set_quant_rows
+    from shards.cpu.layouts import set_quant_rows
 
     set_quant_rows(llm.runner.model, quant_rows)
     ids = llm.tokenizer(TEXT).input_ids[:256]
@@ -181,7 +181,7 @@ def test_a_float_checkpoint_quantized_at_load_scores_near_its_float_weights(llam
     from deployments.config import AppArgs
     from deployments.offline import LLM
     from engine.sampling_params import SamplingParams
-    from shards.model.layers import set_quant_rows
+    from shards.cpu.layouts import set_quant_rows
     from tests.reference import make_prompts
 
     scored = {}
