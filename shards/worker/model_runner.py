@@ -91,33 +91,16 @@ class ModelRunner:
         self.config = config
         self.tp = tp
         self.device = resolve_device(config.device)
-        # Torch's threads bound one per core (cpu_plan.bind_torch_threads): this thread,
-        # which must be the one that runs the steps, and its OpenMP team.
-        self._bound: list[int] = []  # native thread ids
+        self._bound: list[int] = []  # native ids of torch's threads bound one per core
         if self.device.type == "cpu":
-            every = sorted(os.sched_getaffinity(0))
-            torch.set_num_threads(config.cpu_threads or len(every))
-            if bind_threads:
-                self._bound = bind_torch_threads(every)
-                if self._bound:
-                    logger.info("torch's %d threads bound one per core: cores %s",
-                                len(self._bound), every[:len(self._bound)])
+            self._set_threads(bind_threads)
         elif self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.dtype = resolve_dtype(config.dtype, self.device, self.model_config.checkpoint_dtype)
-        # bfloat16 on a CPU with native bf16 products: the weights are multiplied in
-        # bfloat16 by oneDNN (fp32 accumulation, half of float32's bytes to stream), and the
-        # rest (activations, attention, the KV cache) stays float32, where raygen's CPU
-        # kernels run; a bfloat16 model in torch ran slower than float32 here
-        # (benchmarks/NOTES.md 56). Without native bf16 products (AVX2 CPUs: oneDNN refuses
-        # bf16 weights there), raygen's block kernel multiplies by the bfloat16 weights in
-        # the steps of few rows, and float32 copies of them serve the bigger ones (NOTES 63).
         self.weight_dtype = self.dtype
         self.bf16_products = cpu_bf16_products()
-        if (self.device.type == "cpu" and self.dtype == torch.bfloat16
-                and config.cpu_matmul != "torch"
-                and (self.bf16_products or bf16_block_kernel(config.attention_backend))):
+        if self._bf16_weights_beside_float32():
             self.dtype = torch.float32
             logger.info("bfloat16 weight products (%s, fp32 accumulation); activations, "
                         "attention and KV cache in float32",
@@ -135,13 +118,13 @@ class ModelRunner:
                                   self.weight_dtype, self.bf16_products,
                                   lambda: self.profile_num_blocks(0) * self.block_bytes())
         drop_gguf_blocks(self.model)  # a path that multiplies by none of them
-        # With raygen's CPU attention kernel come its norm and rotary kernels (the torch
-        # backend stays the pure-torch reference).
-        if isinstance(self.backend, CpuPagedAttentionBackend):
-            use_cpu_kernels(self.model, self.backend.kernel)
-            logger.info("RMSNorm and rotary embedding: raygen's CPU kernels")
+        # With raygen's CPU attention kernel come its norm, rotary and LoRA kernels (the
+        # torch backend stays the pure-torch reference).
         kernels = self.backend.kernel if isinstance(self.backend, CpuPagedAttentionBackend) \
             else None
+        if kernels is not None:
+            use_cpu_kernels(self.model, kernels)
+            logger.info("RMSNorm and rotary embedding: raygen's CPU kernels")
         self.adapters = RankAdapters(self.model, config.max_lora_rank, self.dtype, self.device,
                                      kernels, config.lora_adapters)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -152,6 +135,29 @@ class ModelRunner:
         self.grammars = Grammars(config.model, self.model_config.vocab_size) \
             if tp.rank == 0 else None
 
+    def _set_threads(self, bind: bool) -> None:
+        """As many torch threads as this thread's cores (or `cpu_threads`); with `bind`,
+        each bound to one of them (cpu_plan.bind_torch_threads): this thread, which must be
+        the one that runs the steps, and its OpenMP team."""
+        every = sorted(os.sched_getaffinity(0))
+        torch.set_num_threads(self.config.cpu_threads or len(every))
+        if bind:
+            self._bound = bind_torch_threads(every)
+            if self._bound:
+                logger.info("torch's %d threads bound one per core: cores %s",
+                            len(self._bound), every[:len(self._bound)])
+
+    def _bf16_weights_beside_float32(self) -> bool:
+        """bfloat16 on a CPU with native bf16 products: the weights are multiplied in
+        bfloat16 by oneDNN (fp32 accumulation, half of float32's bytes to stream), and the
+        rest (activations, attention, the KV cache) stays float32, where raygen's CPU
+        kernels run; a bfloat16 model in torch ran slower than float32 here
+        (benchmarks/NOTES.md 56). Without native bf16 products (AVX2 CPUs: oneDNN refuses
+        bf16 weights there), raygen's block kernel multiplies by the bfloat16 weights in the
+        steps of few rows, and float32 copies of them serve the bigger ones (NOTES 63)."""
+        return (self.device.type == "cpu" and self.dtype == torch.bfloat16
+                and self.config.cpu_matmul != "torch"
+                and (self.bf16_products or bf16_block_kernel(self.config.attention_backend)))
 
     def compute_path(self) -> dict:
         """How this rank computes (for /info and the logs): the device, the dtype the
