@@ -361,7 +361,7 @@ class ModelRunner:
                     row = SampleRow(seq.params, seq.seed, len(known) - seq.num_prompt_tokens,
                                     known, seq.num_prompt_tokens)
                     samples.append(Sample(request_id, len(logit_rows), row,
-                                           draft[j] if j < len(draft) else None))
+                                          draft[j] if j < len(draft) else None))
                     logit_rows.append(row0 + n - 1 - len(draft) + j)
             seq.num_computed_tokens = end
         if not input_ids:
