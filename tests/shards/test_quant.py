@@ -17,8 +17,10 @@ pytestmark = pytest.mark.skipif(kernels is None or not kernels.quant_supported()
                                 reason="raygen's CPU kernels are not built with AVX-512")
 
 
+# Every tile's row counts (quant.h: with_tile): 1-2 rows of x, 3-4, and 5-8 (9 as 5 + 4, 20
+# as 7 + 7 + 6).
 @pytest.mark.parametrize("kind", sorted(KERNEL_TYPES))
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 9, 20])
 def test_products_equal_the_dequantized_weights(kind, rows):
     qtype = gguf.GGMLQuantizationType[kind]
     rng = np.random.default_rng(rows)
@@ -45,7 +47,7 @@ def int8_rows(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.skipif(kernels is None or not kernels.quant_i8_supported(),
                     reason="no AVX-512 VNNI on this CPU")
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 20])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 9, 20])
 @pytest.mark.parametrize("k", [96, 128])  # an odd block count (3) and an even one (4)
 def test_int8_products_equal_int8_rows_times_the_dequantized_weights(kind, rows, k):
     qtype = gguf.GGMLQuantizationType[kind]
@@ -66,7 +68,7 @@ def test_int8_products_equal_int8_rows_times_the_dequantized_weights(kind, rows,
         kernels.linear_quant_i8(x, torch.from_numpy(blocks), 3, n, None)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 9])
+@pytest.mark.parametrize("rows", [1, 2, 4, 9])
 def test_bfloat16_weights_times_float32_rows_equal_the_widened_weights(rows):
     from shards.checkpoints.gguf_weights import BF16_KERNEL_TYPE
 

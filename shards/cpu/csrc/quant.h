@@ -54,19 +54,24 @@ inline float hsum(__m256 v) {
 template <int V>
 using Int = std::integral_constant<int, V>;
 
-// run(MR) with the step's row count as a constant: each tile shape compiles on its own.
-template <typename Run>
+// run(MR) with the step's row count as a constant: each tile shape compiles on its own,
+// for the row counts up to the tile's MAXR only (over_tiles never asks for more). Tiles of
+// 2 and 4 rows of x also compiled for up to 8 took each block-product file 31-38 s to
+// build instead of 18-22 (benchmarks/NOTES.md 76).
+template <int MAXR, typename Run>
 void with_rows(int mr, Run&& run) {
+  static_assert(MAXR >= 1 && MAXR <= 8, "tiles of 1 to 8 rows of x");
   switch (mr) {
-    case 8: run(Int<8>{}); break;
-    case 7: run(Int<7>{}); break;
-    case 6: run(Int<6>{}); break;
-    case 5: run(Int<5>{}); break;
-    case 4: run(Int<4>{}); break;
-    case 3: run(Int<3>{}); break;
-    case 2: run(Int<2>{}); break;
-    default: run(Int<1>{}); break;
+    case 8: if constexpr (MAXR >= 8) return run(Int<8>{}); break;
+    case 7: if constexpr (MAXR >= 7) return run(Int<7>{}); break;
+    case 6: if constexpr (MAXR >= 6) return run(Int<6>{}); break;
+    case 5: if constexpr (MAXR >= 5) return run(Int<5>{}); break;
+    case 4: if constexpr (MAXR >= 4) return run(Int<4>{}); break;
+    case 3: if constexpr (MAXR >= 3) return run(Int<3>{}); break;
+    case 2: if constexpr (MAXR >= 2) return run(Int<2>{}); break;
+    default: break;
   }
+  run(Int<1>{});
 }
 
 // tile(MR, NR', r, n) for every tile of out[M, N]: threads claim 16 output rows at a time
@@ -84,7 +89,7 @@ void over_tiles(int64_t M, int64_t N, Tile&& tile) {
       for (int64_t n = task * kTaskRows; n < n1; n += NR) {
         const bool whole = n + NR <= n1;
         for (int64_t r = 0; r < M; r += per_tile) {
-          with_rows(static_cast<int>(std::min<int64_t>(per_tile, M - r)), [&](auto mr) {
+          with_rows<MAXR>(static_cast<int>(std::min<int64_t>(per_tile, M - r)), [&](auto mr) {
             if (whole) {
               tile(mr, Int<NR>{}, r, n);
             } else {
