@@ -113,7 +113,9 @@ def _convert(gguf_path: Path, out: Path) -> None:
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        # Given the config, the tokenizer does not read it from the file again: each read
+        # parses every field of the file, its vocabulary included (5-6 s for SmolLM2's).
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, config=config)
     except Exception as exc:  # transformers names what it cannot read
         raise CheckpointError(f"model={gguf_path}: transformers cannot read its config or "
                               f"tokenizer: {str(exc).splitlines()[0][:300]}") from exc
