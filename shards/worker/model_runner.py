@@ -60,8 +60,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-
-
 def resolve_kv_dtype(name: str, device: torch.device, dtype: torch.dtype) -> torch.dtype:
     """The KV cache's element type: the activations' (auto), or float16. On CPU the
     attention widens float16 to float32 as it reads; flash attention on CUDA reads the cache

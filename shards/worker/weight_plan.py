@@ -99,7 +99,6 @@ def _shapes(model: torch.nn.Module) -> list[list[int]]:
     return [list(m.weight_shape) for m in model.modules() if isinstance(m, _Matmul)]
 
 
-
 def bf16_block_kernel(attention_backend: str) -> bool:
     """Whether raygen's CPU kernels (which come with its attention backend) multiply by
     bfloat16 weights on this CPU (AVX-512, or AVX2 with FMA and F16C)."""
