@@ -52,12 +52,6 @@ CONCURRENCY_GROUPS = {STEP_CALLS: 2}
 PREVIOUS_CALL_TIMEOUT_S = 60.0
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class Park:
     """A compiled graph's step that holds its ranks while the group is idle: a rank waits
     in it, blocked, until `ShardActor.unpark`. A rank that waits for its next step in the
@@ -130,8 +124,15 @@ class ShardActor:
         return cores
 
     def rendezvous_address(self) -> tuple[str, int]:
-        """Rank 0's node address and a free port for the process group."""
-        return ray.util.get_node_ip_address(), free_port()
+        """Rank 0's node address and a port for the process group, listened on from now
+        until the group's store takes the socket: a port found free and bound only later
+        was once taken in between (test_faults' five apps starting at once: EADDRINUSE)."""
+        if self.world_size == 1:
+            return ray.util.get_node_ip_address(), 0  # no group to join
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.bind(("", 0))
+        self._listener.listen()
+        return ray.util.get_node_ip_address(), self._listener.getsockname()[1]
 
     def _on_torch_thread(self, fn, *args):
         return self._torch_thread().submit(fn, *args).result()
@@ -166,9 +167,11 @@ class ShardActor:
             backend = "nccl" if device.type == "cuda" else "gloo"
             if device.type == "cuda":
                 torch.cuda.set_device(0)  # Ray exposes exactly this actor's GPU as device 0
-            dist.init_process_group(backend, init_method=f"tcp://{address}:{port}",
-                                    rank=self.rank, world_size=self.world_size,
-                                    timeout=COLLECTIVE_TIMEOUT)
+            listener = self._listener.detach() if self.rank == 0 else None  # the store's now
+            store = dist.TCPStore(address, port, self.world_size, is_master=self.rank == 0,
+                                  timeout=COLLECTIVE_TIMEOUT, master_listen_fd=listener)
+            dist.init_process_group(backend, store=store, rank=self.rank,
+                                    world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT)
         self.runner = ModelRunner(self.config, TPContext(self.rank, self.world_size),
                                   bind_threads=True)
         return self.weight_bytes()
