@@ -13,12 +13,8 @@ computes that position anyway, because the shards feed their own samples in, and
 token becomes known here when the step that sampled it returns. A request is never given
 a placeholder past its length limits, so only an EOS or a stop sequence wastes a row.
 
-Speculation (`speculate` > 0, engine/speculation.py): a decoding request whose tokens are
-all known may bring drafts, computed in the same step as its next token; the step keeps
-the drafts that match what the request draws, plus one token of its own. A request that
-speculates is not scheduled again until its step returns (the next positions depend on how
-many drafts it kept), so the scheduler drafts only while the batch is small, and a
-request whose drafts keep failing goes back to plain, overlapped decoding for a while.
+Drafts (`speculate`) and multi-steps (`num_scheduler_steps`), which take a step past
+each request's next token, are engine/lookahead.py's decisions.
 """
 
 from __future__ import annotations
@@ -30,22 +26,10 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import CacheConfig, SchedulerConfig
+from engine.lookahead import Lookahead, speculates
 from engine.messages import CachedRequestData, NewRequestData, StepDrafting, StepInput, StepOutput
 from engine.request import FinishReason, Request, RequestStatus
 from engine.speculation import SpeculationState
-
-# Multi-steps only for steps of up to this many requests. A message's cost is shared by
-# its rows, so a bigger batch gains little from fewer messages, and there requests arrive
-# every few steps, cutting multi-steps short and each time giving up async scheduling's
-# overlap: at 16 and 32 requests multi-steps of 4 read 0.89-1.27x and 0.87-1.05x the
-# tok/s of single steps, at 1 1.08-1.45x (benchmarks/NOTES.md 65).
-MULTI_STEP_MAX_ROWS = 8
-# Drafts inside a multi-step fill its steps up to this many rows, the requests' own
-# included: a CPU step's cost grows with its rows (SmolLM2's Q4_1 blocks, in-process on an
-# AMD EPYC: 20, 26 and 31 ms for 1, 2 and 5 rows; 29, 45 and 81 ms for 4, 8 and 12), so
-# drafts pay at 1-4 requests and not at 8, where a draft each read 0.81-0.87x through
-# `serve run` (benchmarks/NOTES.md 69).
-MULTI_STEP_DRAFT_MAX_ROWS = 8
 
 
 @dataclass(slots=True)
@@ -98,6 +82,7 @@ class Scheduler:
         self.finished_unscheduled: list[Request] = []
         self.steps_since_admission = 0
         self.stats = SchedulerStats()
+        self.lookahead = Lookahead(config, self.block_manager, self.stats)
 
     @property
     def max_batch_total_tokens(self) -> int:
@@ -120,8 +105,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_batch_prefill_tokens
         scheduled: dict[str, int] = {}
+        drafts: dict[str, list[int]] = {}
         preempted: list[str] = []
-        num_decode = 0
         had_running = bool(self.running)
 
         # TGI v3 with chunked prefill: new prompts join the running batch's step, whose
@@ -131,8 +116,34 @@ class Scheduler:
             reserved = min(budget, sum(self._num_wanted(r) == 1 for r in self.running))
             budget -= reserved
 
-        drafts: dict[str, list[int]] = {}
-        draft_rows = self._draft_rows()
+        budget, num_decode = self._schedule_running(budget, scheduled, drafts, preempted)
+
+        num_admitted = 0
+        concat_reason = self._may_admit(had_running)
+        if concat_reason is not None:
+            num_admitted, budget = self._admit(scheduled, budget)
+        self.steps_since_admission = 0 if num_admitted or not had_running else (
+            self.steps_since_admission + 1)
+        num_drafted = sum(map(len, drafts.values()))  # decode rows, not prompt tokens
+        num_prefill = self.config.max_batch_prefill_tokens - budget - reserved - num_drafted
+        num_steps, drafting = 1, None
+        if not (num_prefill or num_admitted or drafts or preempted or self.waiting):
+            num_steps, drafting = self.lookahead.multi_step(scheduled, self.requests)
+        step_input, sampling_ids = self._make_step_input(scheduled, drafts, num_steps, drafting)
+        return SchedulerOutput(
+            step_input, num_prefill, num_decode, num_admitted, preempted,
+            concat_reason=concat_reason if had_running and num_admitted else None,
+            sampling_ids=sampling_ids)
+
+    def _schedule_running(self, budget: int, scheduled: dict[str, int],
+                          drafts: dict[str, list[int]], preempted: list[str]
+                          ) -> tuple[int, int]:
+        """The running requests' tokens, oldest first: a decode token each (with its
+        drafts), or the next chunk of a prompt within `budget`; where blocks run out the
+        newest are preempted. Fills `scheduled`, `drafts` and `preempted`; returns the
+        budget left and the number of decoding requests."""
+        num_decode = 0
+        draft_rows = self.lookahead.draft_rows(len(self.running))
         i = 0
         while i < len(self.running):
             request = self.running[i]
@@ -146,7 +157,7 @@ class Scheduler:
                     i += 1
                     continue
             elif request.speculation is not None:
-                draft = self._draft(request, min(draft_rows, budget))
+                draft = self.lookahead.draft(request, min(draft_rows, budget))
                 if draft:
                     drafts[request.request_id] = draft
                     draft_rows -= len(draft)
@@ -168,144 +179,17 @@ class Scheduler:
                 else:
                     budget -= num_new
                 i += 1
-
-        num_admitted = 0
-        concat_reason = self._may_admit(had_running)
-        if concat_reason is not None:
-            num_admitted, budget = self._admit(scheduled, budget)
-        self.steps_since_admission = 0 if num_admitted or not had_running else (
-            self.steps_since_admission + 1)
-        num_drafted = sum(map(len, drafts.values()))  # decode rows, not prompt tokens
-        num_prefill = self.config.max_batch_prefill_tokens - budget - reserved - num_drafted
-        num_steps, drafting = 1, None
-        if not (num_prefill or num_admitted or drafts or preempted or self.waiting):
-            num_steps, drafting = self._multi_step(scheduled)
-        step_input, sampling_ids = self._make_step_input(scheduled, drafts, num_steps, drafting)
-        return SchedulerOutput(
-            step_input, num_prefill, num_decode, num_admitted, preempted,
-            concat_reason=concat_reason if had_running and num_admitted else None,
-            sampling_ids=sampling_ids)
+        return budget, num_decode
 
     def _num_wanted(self, request: Request) -> int:
         """Tokens a running request would compute next: 1 to decode, more for a prompt
         catching up, 0 when its last sample is in flight and it may not grow, or when it
         speculates (its next positions are known once that step returns)."""
         if request.num_placeholders and (not self._may_grow(request)
-                                         or self._speculates(request)
+                                         or speculates(request)
                                          or request.num_step_tokens):
             return 0
         return request.num_tokens + request.num_placeholders - request.num_computed_tokens
-
-    # -- speculation ---------------------------------------------------------------
-    def _draft_rows(self) -> int:
-        """Draft tokens this step may compute in all: drafts are cheap while the step's
-        rows are few (its cost is the weights' reading), so they fill up to
-        `speculate_max_rows` rows beside the running requests' own; with multi-steps on,
-        only for a batch too big to multi-step (smaller ones draft inside their
-        multi-steps, on the shard)."""
-        if not self.config.speculate:
-            return 0
-        if self.config.num_scheduler_steps > 1 and len(self.running) <= MULTI_STEP_MAX_ROWS:
-            # Batches small enough to multi-step draft inside their multi-steps, on the
-            # shard (`_multi_step`): a draft of the scheduler's would make its step a
-            # single step for every row in it, and beside other requests multi-steps paid
-            # more than such drafts did (0.87x at 4 requests, 0.75x at 8:
-            # benchmarks/NOTES.md 67).
-            return 0
-        return max(0, self.config.speculate_max_rows - len(self.running))
-
-    def _speculates(self, request: Request) -> bool:
-        """Whether the request waits for its step in flight: it brought drafts (its next
-        positions are not known yet), or it is likely to find some once that step's token
-        is known (`_hold`)."""
-        return request.num_draft_tokens > 0 or (
-            request.speculation is not None and request.speculation.hold)
-
-    def _hold(self, request: Request) -> None:
-        """With a step in flight, decide whether the request waits for it rather than
-        decode on at once: it does where its text so far (one token short) has a match,
-        since drafting needs every token known, and only as many requests wait as the
-        next step has drafts for. A waiting request leaves the overlap of async
-        scheduling, which a synchronous batch of 8 paid for with a fifth of its tok/s
-        (benchmarks/NOTES.md 60)."""
-        spec = request.speculation
-        rows = self._draft_rows()
-        spec.hold = False
-        if spec.skip or not rows:
-            return
-        waiting = sum(r.num_draft_tokens > 0 or (r.speculation is not None and r.speculation.hold)
-                      for r in self.running)
-        spec.hold = (waiting < -(-rows // self.config.speculate)
-                     and bool(spec.propose(request.token_ids, 1)))
-
-    def _draft(self, request: Request, most: int) -> list[int]:
-        """Drafts for a decoding request whose tokens are all known: at most `most`, and
-        none past its length limits (the step yields one token more than it drafts)."""
-        spec = request.speculation
-        spec.hold = False
-        if not spec.wants_draft() or request.num_placeholders:
-            return []
-        left = min(request.params.max_new_tokens - request.num_output_tokens,
-                   self.config.max_model_len - request.num_tokens) - 1
-        return spec.propose(request.token_ids, min(self.config.speculate, most, left))
-
-    # -- multi-step ----------------------------------------------------------------
-    def _multi_step(self, scheduled: dict[str, int]) -> tuple[int, StepDrafting | None]:
-        """Make a step of plain decodes (nothing waits, nothing prefills or drafts) of at
-        most MULTI_STEP_MAX_ROWS requests a multi-step of up to num_scheduler_steps: each
-        request takes part in as many steps as its length limits leave, if the KV cache has
-        blocks for all of them. With speculation on, each step may also check drafts that
-        the shard finds (StepDrafting): a request's scheduled tokens are then the most it
-        may take, drafts kept included, and its blocks are taken for all of them (if
-        there are not enough, the multi-step goes without drafts). Returns the step's
-        number of steps (1: one step) and its drafting."""
-        most = self.config.num_scheduler_steps
-        if most == 1 or not scheduled or len(scheduled) > MULTI_STEP_MAX_ROWS:
-            return 1, None
-        left: dict[str, int] = {}
-        for request_id in scheduled:
-            request = self.requests[request_id]
-            if request.params.grammar is not None:  # its matcher advances a token a step
-                return 1, None
-            pending = request.num_tokens + request.num_placeholders
-            left[request_id] = min(request.params.max_new_tokens
-                                   - (pending - request.num_prompt_tokens),
-                                   self.config.max_model_len - pending)
-        num_steps = max(1, min(most, max(left.values())))
-        if num_steps == 1:
-            return 1, None
-        options: list[StepDrafting | None] = [None]
-        max_rows = min(self.config.speculate_max_rows, MULTI_STEP_DRAFT_MAX_ROWS) - len(scheduled)
-        if self.config.speculate and max_rows > 0:
-            options.insert(0, StepDrafting(self.config.speculate, max_rows,
-                                           self.config.prompt_lookup_min,
-                                           self.config.prompt_lookup_max))
-        bm = self.block_manager
-        for drafting in options:
-            per_step = 1 + (drafting.speculate if drafting else 0)
-            tokens = {r: max(1, min(most * per_step, n)) for r, n in left.items()}
-            needed = sum(bm.num_blocks_to_allocate(r, self.requests[r].num_computed_tokens + n)
-                         for r, n in tokens.items())
-            if needed <= bm.num_free_blocks:
-                break
-        else:
-            return 1, None
-        for request_id, n in tokens.items():
-            bm.allocate(request_id, self.requests[request_id].num_computed_tokens + n)
-            scheduled[request_id] = n
-        return num_steps, drafting
-
-    def _settle_steps(self, scheduled: dict[str, int], output: StepOutput | None) -> None:
-        """After a multi-step: a request still running that took fewer tokens than
-        scheduled (its steps were cut short, or drafts failed) computes again from where
-        it stopped."""
-        rows = _rows_per_request(output, scheduled)
-        for request_id, n in scheduled.items():
-            request = self.requests.get(request_id)
-            if request is None or request.num_step_tokens == 0:
-                continue  # ended (its blocks are freed), or preempted since
-            request.num_step_tokens = 0
-            request.num_computed_tokens -= n - rows[request_id]
 
     def _may_grow(self, request: Request) -> bool:
         """Whether a request may sample past the tokens it has and those in flight."""
@@ -470,31 +354,14 @@ class Scheduler:
             if reason is not None:
                 self.finish(request_id, reason)
             elif request.speculation is not None and request.num_placeholders:
-                self._hold(request)
+                self.lookahead.hold(request, self.running)
         drafts = scheduled.step_input.draft_token_ids
         if drafts and output is not None:
-            self._settle_drafts(drafts, output)
+            self.lookahead.settle_drafts(drafts, output, self.requests)
         if scheduled.step_input.num_steps > 1:
-            self._settle_steps(scheduled.step_input.num_scheduled_tokens, output)
-            for drafted, kept in output.drafted.values() if output else ():
-                self.stats.num_draft_tokens += drafted
-                self.stats.num_accepted_tokens += kept
+            self.lookahead.settle_steps(scheduled.step_input.num_scheduled_tokens, output,
+                                        self.requests)
         return list(updated.values())
-
-    def _settle_drafts(self, drafts: dict[str, list[int]], output: StepOutput) -> None:
-        """Count what the drafts bought; a request still running recomputes from the
-        first position whose draft failed (the shards overwrite those KV slots)."""
-        rows = _rows_per_request(output, drafts)
-        for request_id, drafted in drafts.items():
-            kept = max(0, rows[request_id] - 1)
-            self.stats.num_draft_tokens += len(drafted)
-            self.stats.num_accepted_tokens += kept
-            request = self.requests.get(request_id)
-            if request is None or request.num_draft_tokens == 0:
-                continue  # ended (its blocks are freed), or preempted since
-            request.num_draft_tokens = 0
-            request.num_computed_tokens -= len(drafted) - kept
-            request.speculation.record(len(drafted), kept)
 
     def _check_stop(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.params
@@ -536,11 +403,3 @@ class Scheduler:
         if not holders <= running:
             raise AssertionError(f"blocks held by requests not running: {holders - running}")
 
-
-def _rows_per_request(output: StepOutput | None, request_ids) -> dict[str, int]:
-    """How many of the step's output rows each of `request_ids` got."""
-    rows = dict.fromkeys(request_ids, 0)
-    for request_id in output.request_ids if output else ():
-        if request_id in rows:
-            rows[request_id] += 1
-    return rows

@@ -254,7 +254,7 @@ def test_multi_step_waits_for_newcomers_and_grammars():
 
 
 def test_multi_step_only_for_small_batches():
-    from engine.scheduler import MULTI_STEP_MAX_ROWS
+    from engine.lookahead import MULTI_STEP_MAX_ROWS
 
     for n, num_steps in ((MULTI_STEP_MAX_ROWS, 4), (MULTI_STEP_MAX_ROWS + 1, 1)):
         s, w = make(num_scheduler_steps=4)

@@ -183,7 +183,7 @@ def test_batches_that_multi_step_draft_inside_their_multi_steps():
     blocks for every token a request may keep. A batch of 8 multi-steps without drafts, and
     one of more than 8 (never a multi-step) drafts in single steps as before. Output equals
     decoding without drafts, in fewer messages than multi-steps alone, drafts counted."""
-    from engine.scheduler import MULTI_STEP_DRAFT_MAX_ROWS, MULTI_STEP_MAX_ROWS
+    from engine.lookahead import MULTI_STEP_DRAFT_MAX_ROWS, MULTI_STEP_MAX_ROWS
 
     prompts = [[11 + (i * 5 + j) % 13 for j in range(9 + i)] for i in range(4)]
     plain, _, _ = run(0, prompts, num_blocks=256)
