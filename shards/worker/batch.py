@@ -1,9 +1,10 @@
-"""A step's batch on a rank: the attention's view of its rows, and its sampled rows made
-into the step's output (rank 0's), drafts kept up to the first one that differs."""
+"""A step's batch on a rank: its rows from the scheduled tokens, the attention's view of
+them, and its sampled rows made into the step's output (rank 0's), drafts kept up to the
+first one that differs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +46,72 @@ class Sample:
     logit_row: int
     row: SampleRow
     draft: int | None = None
+
+
+@dataclass(slots=True)
+class StepRows:
+    """A step's rows, in the order the forward takes them (decodes first)."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # each row's KV cache slot
+    decodes: list[tuple[int, list[int]]] = field(default_factory=list)  # (length, blocks)
+    # (first row, end row, tokens cached before, block ids)
+    prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
+    lora_runs: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, first, end)
+    logit_rows: list[int] = field(default_factory=list)  # hidden rows that need logits
+    samples: list[Sample] = field(default_factory=list)
+    # request -> (its first row among the logits, the prompt tokens those rows predict)
+    prompt_rows: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+
+
+def step_rows(seqs: dict, num_scheduled_tokens: dict[str, int],
+              draft_token_ids: dict[str, list[int]], block_size: int) -> StepRows:
+    """The rows of the requests' scheduled tokens, each request's from where its rank's
+    copy (`seqs`, model_runner._Seq) says it stands, which this moves past them."""
+    # Decodes first (drafting ones too): the attention backend handles them as one
+    # batched call.
+    order = sorted(num_scheduled_tokens, key=lambda r: (num_scheduled_tokens[r] != 1
+                                                        and r not in draft_token_ids))
+    rows = StepRows()
+    for request_id in order:
+        seq = seqs[request_id]
+        n = num_scheduled_tokens[request_id]
+        draft = draft_token_ids.get(request_id, [])
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        row0 = len(rows.input_ids)
+        if seq.lora_slot:
+            rows.lora_runs.append((seq.lora_slot, row0, row0 + n))
+        rows.input_ids.extend(seq.token_ids[start:end - len(draft)])
+        rows.input_ids.extend(draft)
+        rows.positions.extend(range(start, end))
+        rows.slots.extend(seq.block_ids[p // block_size] * block_size + p % block_size
+                          for p in range(start, end))
+        if n == 1 or draft:
+            # A decode; with drafts, each of its rows attends as a decode of its own (the
+            # cache up to its position, its own new key included): one batched call, where
+            # a chunk of its own cost a call per layer and request (benchmarks/NOTES.md 69).
+            rows.decodes.extend((p + 1, seq.block_ids) for p in range(start, end))
+        else:
+            rows.prefills.append((row0, row0 + n, start,
+                                  seq.block_ids[: -(-end // block_size)]))
+        if seq.params.prompt_logprobs and start < seq.num_prompt_tokens - 1:
+            count = min(end, seq.num_prompt_tokens - 1) - start
+            rows.prompt_rows[request_id] = (len(rows.logit_rows),
+                                            seq.token_ids[start + 1 : start + 1 + count])
+            rows.logit_rows.extend(range(row0, row0 + count))
+        if end - len(draft) == len(seq.token_ids):
+            # One row per token to draw: after the known tokens, then after each draft
+            # (kept only while the drafts before it match what was drawn).
+            for j in range(len(draft) + 1):
+                known = seq.token_ids + draft[:j] if j else seq.token_ids
+                row = SampleRow(seq.params, seq.seed, len(known) - seq.num_prompt_tokens,
+                                known, seq.num_prompt_tokens)
+                rows.samples.append(Sample(request_id, len(rows.logit_rows), row,
+                                           draft[j] if j < len(draft) else None))
+                rows.logit_rows.append(row0 + n - 1 - len(draft) + j)
+        seq.num_computed_tokens = end
+    return rows
 
 
 def make_output(logits: torch.Tensor | None, samples: list[Sample],

@@ -27,10 +27,9 @@ from shards.model.config import ModelConfig
 from shards.model.grammar import Grammars
 from shards.model.layers import TPContext, use_cpu_kernels
 from shards.model.llama import CausalLM
-from shards.model.sampler import SampleRow
 from shards.shard_config import ShardConfig
 from shards.worker.adapters import RankAdapters
-from shards.worker.batch import Sample, make_output, metadata
+from shards.worker.batch import make_output, metadata, step_rows
 from shards.worker.weight_plan import WeightPlan, bf16_block_kernel
 
 logger = logging.getLogger(__name__)
@@ -314,73 +313,28 @@ class ModelRunner:
                  draft_token_ids: dict[str, list[int]]) -> StepOutput | None:
         """One forward over the requests' scheduled tokens (each request's mirror says
         where they start), sampling where a request reaches its last token."""
-        # Decodes first (drafting ones too): the attention backend handles them as one
-        # batched call.
-        order = sorted(num_scheduled_tokens, key=lambda r: (num_scheduled_tokens[r] != 1
-                                                            and r not in draft_token_ids))
-        lora_runs: list[tuple[int, int, int]] = []  # (adapter slot, first row, end row)
-        input_ids, positions, slots = [], [], []
-        decodes, prefills = [], []
-        logit_rows: list[int] = []  # hidden rows that need logits
-        samples: list[Sample] = []
-        prompt_rows: dict[str, tuple[int, list[int]]] = {}  # request -> (first row, targets)
-        block_size = self.config.block_size
-        for request_id in order:
-            seq = self.seqs[request_id]
-            n = num_scheduled_tokens[request_id]
-            draft = draft_token_ids.get(request_id, [])
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
-            row0 = len(input_ids)
-            if seq.lora_slot:
-                lora_runs.append((seq.lora_slot, row0, row0 + n))
-            input_ids.extend(seq.token_ids[start:end - len(draft)])
-            input_ids.extend(draft)
-            positions.extend(range(start, end))
-            slots.extend(seq.block_ids[p // block_size] * block_size + p % block_size
-                         for p in range(start, end))
-            if n == 1 or draft:
-                # A decode; with drafts, each of its rows attends as a decode of its own
-                # (the cache up to its position, its own new key included): one batched
-                # call, where a chunk of its own cost a call per layer and request
-                # (benchmarks/NOTES.md 69).
-                decodes.extend((p + 1, seq.block_ids) for p in range(start, end))
-            else:
-                prefills.append((row0, row0 + n, start, seq.block_ids[: -(-end // block_size)]))
-            if seq.params.prompt_logprobs and start < seq.num_prompt_tokens - 1:
-                count = min(end, seq.num_prompt_tokens - 1) - start
-                prompt_rows[request_id] = (len(logit_rows),
-                                           seq.token_ids[start + 1 : start + 1 + count])
-                logit_rows.extend(range(row0, row0 + count))
-            if end - len(draft) == len(seq.token_ids):
-                # One row per token to draw: after the known tokens, then after each draft
-                # (kept only while the drafts before it match what was drawn).
-                for j in range(len(draft) + 1):
-                    known = seq.token_ids + draft[:j] if j else seq.token_ids
-                    row = SampleRow(seq.params, seq.seed, len(known) - seq.num_prompt_tokens,
-                                    known, seq.num_prompt_tokens)
-                    samples.append(Sample(request_id, len(logit_rows), row,
-                                          draft[j] if j < len(draft) else None))
-                    logit_rows.append(row0 + n - 1 - len(draft) + j)
-            seq.num_computed_tokens = end
-        if not input_ids:
+        rows = step_rows(self.seqs, num_scheduled_tokens, draft_token_ids,
+                         self.config.block_size)
+        if not rows.input_ids:
             return None
         dev = self.device
-        positions_t = torch.tensor(positions, dtype=torch.long, device=dev)
-        meta = metadata(self.backend, dev, decodes, prefills, len(input_ids), slots)
-        self.adapters.set_batch(lora_runs, len(decodes), dev)
+        meta = metadata(self.backend, dev, rows.decodes, rows.prefills, len(rows.input_ids),
+                        rows.slots)
+        self.adapters.set_batch(rows.lora_runs, len(rows.decodes), dev)
         try:
-            hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                                positions_t, self.kv_caches, meta)
+            hidden = self.model(torch.tensor(rows.input_ids, dtype=torch.long, device=dev),
+                                torch.tensor(rows.positions, dtype=torch.long, device=dev),
+                                self.kv_caches, meta)
         finally:
             self.adapters.set_batch([], 0, dev)
         logits = None
-        if logit_rows:
-            logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
+        if rows.logit_rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows.logit_rows, device=dev)])
         output, kept = None, None
         if self.tp.rank == 0:
-            output, kept = make_output(logits, samples, prompt_rows, self.grammars)
-        if samples:
-            self._keep_sampled([s.request_id for s in samples], kept)
+            output, kept = make_output(logits, rows.samples, rows.prompt_rows, self.grammars)
+        if rows.samples:
+            self._keep_sampled([s.request_id for s in rows.samples], kept)
         return output
 
     @property
