@@ -195,6 +195,24 @@ def _best_of(rounds: int, first, second) -> tuple[float, float]:
     return best[0], best[1]
 
 
+def drop_copies_under_blocks(model: nn.Module) -> int:
+    """Free the copies that a linear's quantization blocks leave no step to serve: the
+    blocks come first (`_Matmul.matmul`), so a K x N copy (one-row steps only) goes where
+    the blocks serve one-row steps, and panels where the blocks serve every row count the
+    panels do. Returns the bytes freed."""
+    freed = 0
+    for m in _copied(model):
+        if m.quant is None or m.quant_rows < 1:
+            continue
+        if m.transposed is not None:
+            freed += m.transposed.numel() * m.transposed.element_size()
+            m.transposed = None
+        if m.panels is not None and m.quant_rows >= m.panel_rows[1]:
+            freed += m.panels.numel() * m.panels.element_size()
+            m.panels = m.panel_kernels = None
+    return freed
+
+
 def time_copy_products(model: nn.Module, rows: int = 1,
                        rounds: int = 3) -> tuple[float, float]:
     """Seconds for `rows` rows through every linear that has a copy of its weight:

@@ -233,3 +233,40 @@ def test_each_kind_of_linear_keeps_its_blocks_up_to_its_own_timed_rows(llama_dir
         if isinstance(m, _Matmul) and m.quant is not None:
             assert m.quant_rows == (8 if name.endswith("o_proj") else 1), name
             assert by_kind[f"{m.weight_shape[0]}x{m.weight_shape[1]} Q8_0"] == m.quant_rows
+
+
+@pytest.mark.parametrize("square_blocks_lose", [True, False])
+def test_a_weight_copy_that_the_blocks_leave_no_step_is_freed(llama_dir, monkeypatch, tmp_path,
+                                                              square_blocks_lose):
+    """The one-row weight copy (K x N) is timed before the blocks are; where the blocks then
+    serve one-row steps, they come first and the copy would sit unused: it is freed, and
+    /info no longer names a copy once none is left. Here the timings are set: the copy
+    beats oneDNN at one row; the blocks win every row count, or all but the attention's
+    output projection's (the one square weight), which then keeps its copy."""
+    from deployments.offline import LLM
+    from shards.cpu import timings as startup_timings
+    from shards.model.layers import _Matmul
+    from shards.worker import weight_plan
+
+    def quant_timed(linears, rows, rounds=3):
+        n, k = linears[0].weight_shape
+        return 1.0, (1.5 if square_blocks_lose and n == k else 0.5)  # (float path, blocks)
+
+    monkeypatch.setattr(startup_timings, "directory", lambda: tmp_path)  # none kept before
+    monkeypatch.setattr(weight_plan, "time_copy_products",
+                        lambda model, rows, rounds=3: (2.0, 1.0))  # (oneDNN, the copy)
+    monkeypatch.setattr(weight_plan, "time_quant_products", quant_timed)
+    weights = LLM(llama_dir, num_blocks=64, quantize="q8_0").runner.weights
+    linears = [m for m in weights.model.modules() if isinstance(m, _Matmul)]
+    with_blocks = [m for m in linears if m.quant is not None]
+    assert len(with_blocks) >= 3 and weights.one_row_timings == (2.0, 1.0)
+    for m in with_blocks:
+        assert m.quant_rows == (0 if square_blocks_lose and m.weight_shape[0] ==
+                                m.weight_shape[1] else weights.quant_rows_by_kind[
+                                    f"{m.weight_shape[0]}x{m.weight_shape[1]} Q8_0"])
+        assert (m.transposed is None) == (m.quant_rows >= 1)
+    kept = any(m.transposed is not None for m in linears)
+    assert kept == any(m.quant is None or m.quant_rows == 0 for m in linears)
+    assert kept or not square_blocks_lose
+    assert (weights.weight_copy, weights.one_row_weights) == (("K x N", True) if kept
+                                                              else (None, False))
