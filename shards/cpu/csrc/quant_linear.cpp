@@ -138,11 +138,25 @@ inline __m256 weights8(const uint8_t* blk, int c, float d, float m) {
   }
 }
 
-// d and m of block `blk` in each of NR weight rows, asking for the next NR rows' block.
+// Tiles of several weight rows (steps of up to 4 rows of x) ask for each block's weights
+// kNextTiles tiles further on. One tile ahead (about 1.4 KB of SmolLM2's rows) left those
+// steps waiting on memory: the 30 layers' Q4_1 linears read from memory took 12.0-12.8
+// against 10.1-11.1 ms at one row, and 0.86-0.88x the time at 2 and 4 rows (NOTES.md 78).
+// Tiles of one weight row (5 or more rows of x) are bound by their arithmetic and ask one
+// tile ahead. A prefetch past the weights' end is dropped, not a fault.
+constexpr int64_t kNextTiles = 8;
+
+template <int NR>
+constexpr int64_t rows_ahead() {
+  return NR > 1 ? kNextTiles * NR : NR;
+}
+
+// d and m of block `blk` in each of NR weight rows, asking for a later tile's block.
 template <int64_t T, int NR>
 inline void block_scales(const uint8_t* blk, int64_t row_bytes, float (&d)[NR], float (&m)[NR]) {
   for (int n = 0; n < NR; ++n) {
-    _mm_prefetch(reinterpret_cast<const char*>(blk + (n + NR) * row_bytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(blk + (n + rows_ahead<NR>()) * row_bytes),
+                 _MM_HINT_T0);
     scales<T>(blk + n * row_bytes, d[n], m[n]);
   }
 }
@@ -202,11 +216,6 @@ inline void dot_tile(const float* x, int64_t K, const float* /*sums*/, int64_t n
     // One row of x (a decode step's): x_b . w_b = d (x_b . q_b) + m sum(x_b), so a block's
     // quants meet x without being dequantized, and d and m are applied once per block:
     // one FMA per 8 weights instead of two.
-    // Each block asks for the same block kNextTiles tiles of NR rows further on. One tile
-    // ahead (about 1.4 KB for SmolLM2's rows) left a one-row step's linears waiting on
-    // memory: 12.0-12.8 against 10.1-11.1 ms for its 30 layers' weights read from memory
-    // (benchmarks/NOTES.md 78); a prefetch past the weights' end is dropped, not a fault.
-    constexpr int64_t kNextTiles = 8;
     __m256 acc[NR];
     for (auto& a : acc) a = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
@@ -215,7 +224,7 @@ inline void dot_tile(const float* x, int64_t K, const float* /*sums*/, int64_t n
       const __m256 xs = _mm256_add_ps(_mm256_add_ps(xv[0], xv[1]), _mm256_add_ps(xv[2], xv[3]));
       for (int n = 0; n < NR; ++n) {
         const uint8_t* blk = w + n * row_bytes + b * bytes;
-        _mm_prefetch(reinterpret_cast<const char*>(blk + kNextTiles * NR * row_bytes),
+        _mm_prefetch(reinterpret_cast<const char*>(blk + rows_ahead<NR>() * row_bytes),
                      _MM_HINT_T0);
         __m256 d, m;
         scale_vectors<T>(blk, d, m);
