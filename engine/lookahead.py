@@ -62,20 +62,21 @@ class Lookahead:
         self.stats = stats  # the scheduler's SchedulerStats: drafts made and kept
 
     # -- drafts in single steps ----------------------------------------------------
-    def draft_rows(self, num_running: int) -> int:
+    def draft_rows(self, running: list[Request]) -> int:
         """Draft tokens a single step may compute in all: drafts are cheap while the
         step's rows are few (its cost is the weights' reading), so they fill up to
         `speculate_max_rows` rows beside the running requests' own; with multi-steps on,
-        only for a batch too big to multi-step (smaller ones draft inside their
-        multi-steps, on the shard)."""
+        only for a batch that does not multi-step: too big, or with a grammar's row
+        (smaller ones draft inside their multi-steps, on the shard)."""
         if not self.config.speculate:
             return 0
-        if self.config.num_scheduler_steps > 1 and num_running <= MULTI_STEP_MAX_ROWS:
+        if (self.config.num_scheduler_steps > 1 and len(running) <= MULTI_STEP_MAX_ROWS
+                and not any(r.params.grammar is not None for r in running)):
             # A draft of the scheduler's would make its step a single step for every row
             # in it, and beside other requests multi-steps paid more than such drafts did
             # (0.87x at 4 requests, 0.75x at 8: benchmarks/NOTES.md 67).
             return 0
-        return max(0, self.config.speculate_max_rows - num_running)
+        return max(0, self.config.speculate_max_rows - len(running))
 
     def hold(self, request: Request, running: list[Request]) -> None:
         """With a step in flight, decide whether the request waits for it rather than
@@ -85,7 +86,7 @@ class Lookahead:
         scheduling, which a synchronous batch of 8 paid for with a fifth of its tok/s
         (benchmarks/NOTES.md 60)."""
         spec = request.speculation
-        rows = self.draft_rows(len(running))
+        rows = self.draft_rows(running)
         spec.hold = False
         if spec.skip or not rows:
             return

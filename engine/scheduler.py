@@ -91,8 +91,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id}")
-        if self.config.speculate and request.params.grammar is None:
-            # A grammar's matcher cannot take tokens back yet: constrained rows never draft.
+        if self.config.speculate:
             request.speculation = SpeculationState(self.config.prompt_lookup_min,
                                                    self.config.prompt_lookup_max)
         self.requests[request.request_id] = request
@@ -143,7 +142,7 @@ class Scheduler:
         newest are preempted. Fills `scheduled`, `drafts` and `preempted`; returns the
         budget left and the number of decoding requests."""
         num_decode = 0
-        draft_rows = self.lookahead.draft_rows(len(self.running))
+        draft_rows = self.lookahead.draft_rows(self.running)
         i = 0
         while i < len(self.running):
             request = self.running[i]

@@ -49,9 +49,17 @@ class Grammars:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
 
-    def mask(self, logits: torch.Tensor, request_ids: list[str]) -> dict[str, str]:
+    def mask(self, logits: torch.Tensor, request_ids: list[str],
+             drafts: list[int | None] | None = None) -> dict[str, str]:
         """Mask each constrained row in place; returns request id -> error for rows whose
-        matcher failed (their row is left as it was, and the request must end)."""
+        matcher failed (their row is left as it was, and the request must end).
+
+        A drafting request has a row per draft and one after them, in order (`drafts`: per
+        row, the draft its token is checked against, None after the last): its matcher
+        takes each draft after masking that draft's row, so the next row is masked as
+        decoding would mask it once that draft is kept, and gives them back at the end. A
+        draft the grammar forbids ends the draft: it cannot be drawn, so the rows after it
+        are dropped whatever their masks."""
         rows = [(i, rid) for i, rid in enumerate(request_ids) if rid in self._matchers]
         if not rows:
             return {}
@@ -61,17 +69,30 @@ class Grammars:
         errors: dict[str, str] = {}
         bitmask = lt.allocate_token_bitmask(len(rows), self.vocab_size)
         masked = []
+        taken: dict[str, int] = {}  # drafts each matcher took, to give back
+        ended: set[str] = set()  # a forbidden draft ended the request's draft
         for j, (i, rid) in enumerate(rows):
+            if rid in errors:
+                continue
             try:
                 matcher = self._matchers[rid].result()
                 lt.fill_next_token_bitmask(matcher, bitmask, j)
                 if matcher.is_error():
                     raise GrammarError(matcher.get_error())
+                draft = drafts[i] if drafts is not None else None
+                if draft is not None and rid not in ended:
+                    if _allows(bitmask[j], draft) and matcher.consume_token(draft):
+                        taken[rid] = taken.get(rid, 0) + 1
+                    else:
+                        ended.add(rid)
             except Exception as exc:  # a grammar error ends its own request only
                 errors[rid] = f"grammar failed: {exc}"[:500]
                 self._matchers.pop(rid)
                 continue
             masked.append((i, j))
+        for rid, n in taken.items():
+            if rid in self._matchers:
+                self._matchers[rid].result().rollback(n)
         if masked:
             index = torch.tensor([i for i, _ in masked], device=logits.device)
             allowed = _unpack(bitmask[[j for _, j in masked]], logits.shape[1]).to(logits.device)
@@ -145,6 +166,12 @@ def _matcher(template: Future, output_token_ids: list[int]):
     if output_token_ids and not matcher.consume_tokens(output_token_ids):
         raise GrammarError(f"resumed output does not fit the grammar: {matcher.get_error()}")
     return matcher
+
+
+def _allows(words: torch.Tensor, token_id: int) -> bool:
+    """Whether one row of the int32 bitmask allows `token_id`."""
+    word = token_id >> 5
+    return 0 <= word < len(words) and bool((int(words[word]) >> (token_id & 31)) & 1)
 
 
 def _unpack(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -127,7 +127,8 @@ def make_output(logits: torch.Tensor | None, samples: list[Sample],
     if samples:
         rows = logits[[s.logit_row for s in samples]]
         if grammars is not None:
-            errors = grammars.mask(rows, [s.request_id for s in samples])
+            errors = grammars.mask(rows, [s.request_id for s in samples],
+                                   [s.draft for s in samples])
         result = sample(rows, [s.row for s in samples])
         # A drafting request keeps its rows up to the first draft that differs from what
         # was drawn there; what is drawn is what decoding without drafts would draw.

@@ -132,12 +132,9 @@ def test_drafts_stay_within_the_length_limits(steps):
     assert s.stats.num_accepted_tokens > 0
 
 
-def test_no_drafts_for_grammar_rows_or_a_full_batch():
+def test_a_full_batch_does_not_draft():
     config = SchedulerConfig(max_model_len=1024, speculate=4, speculate_max_rows=4)
     s = Scheduler(config, CacheConfig(4, 64), frozenset({EOS}))
-    s.add_request(Request("g", [11, 12], SamplingParams(grammar='{"type": "object"}'), seed=0))
-    assert s.requests["g"].speculation is None
-    s.abort("g")
     w = FakeWorker(4, copying_model)
     for i in range(4):  # four running requests fill speculate_max_rows: no drafts
         s.add_request(Request(f"r{i}", [11, 12, 13, 11, 12, 13], SamplingParams(), seed=0))
@@ -145,6 +142,28 @@ def test_no_drafts_for_grammar_rows_or_a_full_batch():
         out = s.schedule()
         assert not out.step_input.draft_token_ids and out.step_input.drafting is None
         s.update(out, w.step(out.step_input))
+
+
+def test_a_batch_with_a_grammar_row_drafts_in_single_steps():
+    """A grammar's row never multi-steps (its matcher advances a token a step), so a
+    small batch with one drafts from the scheduler, in single steps, the constrained row
+    included (rank 0 masks each draft's row: tests/shards/test_grammar.py)."""
+    config = SchedulerConfig(max_model_len=1024, speculate=4, num_scheduler_steps=4)
+    s = Scheduler(config, CacheConfig(4, 64), frozenset({EOS}))
+    w = FakeWorker(4, copying_model)
+    s.add_request(Request("g", [11, 12, 13, 11, 12, 13],
+                          SamplingParams(max_new_tokens=30, grammar='{"type": "object"}'),
+                          seed=0))
+    s.add_request(Request("p", [11, 12, 13, 11, 12, 13], SamplingParams(max_new_tokens=30),
+                          seed=0))
+    drafted = set()
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        if "g" in out.step_input.num_scheduled_tokens:
+            assert out.step_input.num_steps == 1 and out.step_input.drafting is None
+        drafted |= set(out.step_input.draft_token_ids)
+        s.update(out, w.step(out.step_input))
+    assert drafted == {"g", "p"} and s.stats.num_accepted_tokens > 0
 
 
 def test_with_two_steps_in_flight_only_as_many_wait_as_the_next_step_has_drafts_for():

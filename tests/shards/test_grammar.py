@@ -125,3 +125,47 @@ def test_a_resumed_request_replays_its_output_into_a_new_matcher(llama_dir):
     assert torch.equal(a[0], a[1])
     grammars.mask(b, ["resumed", "free"])
     assert torch.equal(b[0], a[0]) and torch.equal(b[1], torch.zeros(2048))
+
+
+def test_draft_rows_are_masked_as_decoding_masks_them_after_each_draft(llama_dir, tokenizer):
+    """A drafting request's rows (rank 0, speculation): row j is masked as decoding masks
+    the position after drafts 0..j-1 are kept; a draft the grammar forbids is masked out
+    at its row, which ends the draft; after the step the matcher stands where it stood."""
+    import torch
+
+    from shards.model.grammar import Grammars
+
+    vocab = 2048
+    grammar = llguidance.LLMatcher.grammar_from_regex(r"[a-z]+ [0-9]{2,3}")
+    ids = tokenizer.encode("abc 123", add_special_tokens=False)
+    assert len(ids) >= 3
+    reference = Grammars(llama_dir, vocab)  # decoding: a token a step
+    reference.add("r", grammar, [])
+    expected = []
+    for token in ids[:3] + [None]:
+        logits = torch.zeros(1, vocab)
+        assert reference.mask(logits, ["r"]) == {}
+        expected.append(logits[0] == 0)
+        if token is not None:
+            assert reference.advance([("r", token)]) == {}
+    assert not all(torch.equal(expected[0], e) for e in expected[1:])  # the masks move
+
+    grammars = Grammars(llama_dir, vocab)
+    grammars.add("r", grammar, [])
+    # An unconstrained row first: rows and the matcher's bitmask rows are told apart.
+    logits = torch.zeros(5, vocab)
+    assert grammars.mask(logits, ["free", "r", "r", "r", "r"], [None, *ids[:3], None]) == {}
+    assert torch.equal(logits[0], torch.zeros(vocab))
+    for j in range(4):
+        assert torch.equal(logits[1 + j] == 0, expected[j])
+
+    # A forbidden second draft: its row forbids it, and the rows after it are not masked
+    # past it (they are dropped); the matcher took nothing for good.
+    forbidden = int((~expected[1]).nonzero()[0])
+    logits = torch.zeros(3, vocab)
+    assert grammars.mask(logits, ["r", "r", "r"], [ids[0], forbidden, None]) == {}
+    assert torch.equal(logits[0] == 0, expected[0]) and torch.equal(logits[1] == 0, expected[1])
+    assert logits[1, forbidden] == float("-inf")
+    again = torch.zeros(1, vocab)
+    assert grammars.mask(again, ["r"]) == {} and torch.equal(again[0] == 0, expected[0])
+    assert grammars.advance([("r", t) for t in ids]) == {}

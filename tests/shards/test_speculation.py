@@ -121,3 +121,30 @@ def test_draft_rows_score_as_decoding_one_step_at_a_time(llama_dir, backend):
     out = runner.step(StepInput([], [], {"d": 1 + len(drafts)}, draft_token_ids={"d": drafts}))
     assert first.token_ids + out.token_ids == ref.token_ids
     assert first.logprobs + out.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+
+
+def test_a_constrained_answer_drafts_beside_a_free_one_and_both_stay_the_same(llm):
+    """A grammar's row never multi-steps, so a batch with one drafts from the scheduler
+    in single steps, the constrained row included: rank 0 masks each draft's row as
+    decoding would mask it once the drafts before are kept (tests/shards/test_grammar.py).
+    Both answers are the same token for token as without drafts."""
+    import json
+
+    import llguidance
+
+    schema = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 400}},
+              "required": ["text"], "additionalProperties": False}
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(
+        json.dumps(schema), defaults={"whitespace_flexible": False})
+    prompts = [f'Put this text in the "text" field of a JSON object, word for word.\n\n'
+               f"Text: {PARAGRAPH}\n\nJSON:", PROMPTS[0]]
+    params = [SamplingParams(max_new_tokens=64, grammar=grammar),
+              SamplingParams(max_new_tokens=48)]
+    plain, _ = generate(llm, params, prompts, drafts=False)
+    fast, _ = generate(llm, params, prompts)
+    assert [f.token_ids for f in fast] == [p.token_ids for p in plain]
+    assert fast[0].text.startswith('{"text":"') and PARAGRAPH[:40] in fast[0].text
+    # Alone, so that the drafts counted are the constrained row's own.
+    alone, (steps, drafted, accepted) = generate(llm, params[:1], prompts[:1])
+    assert alone[0].token_ids == plain[0].token_ids
+    assert accepted > 0.5 * drafted > 0 and steps < 0.7 * len(plain[0].token_ids)
