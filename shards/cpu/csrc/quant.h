@@ -51,6 +51,20 @@ inline float hsum(__m256 v) {
 
 #endif  // RAYGEN_QUANT_FLOAT
 
+// Tiles of several weight rows (steps of up to 4 rows of x), float and int8 products on
+// AVX2, ask for each block's weights kNextTiles tiles further on. One tile ahead (about
+// 1.4 KB of SmolLM2's rows) left those steps waiting on memory: the 30 layers' Q4_1
+// linears read from memory took 12.0-12.8 against 10.1-11.1 ms at one row with float
+// products, 9.1-13.4 against 6.2-10.2 ms with int8 ones (benchmarks/NOTES.md 78, 79).
+// Tiles of one weight row (5 or more rows of x) are bound by their arithmetic and ask one
+// tile ahead. A prefetch past the weights' end is dropped, not a fault.
+constexpr int64_t kNextTiles = 8;
+
+template <int NR>
+constexpr int64_t rows_ahead() {
+  return NR > 1 ? kNextTiles * NR : NR;
+}
+
 template <int V>
 using Int = std::integral_constant<int, V>;
 

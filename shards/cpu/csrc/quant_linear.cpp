@@ -138,19 +138,6 @@ inline __m256 weights8(const uint8_t* blk, int c, float d, float m) {
   }
 }
 
-// Tiles of several weight rows (steps of up to 4 rows of x) ask for each block's weights
-// kNextTiles tiles further on. One tile ahead (about 1.4 KB of SmolLM2's rows) left those
-// steps waiting on memory: the 30 layers' Q4_1 linears read from memory took 12.0-12.8
-// against 10.1-11.1 ms at one row, and 0.86-0.88x the time at 2 and 4 rows (NOTES.md 78).
-// Tiles of one weight row (5 or more rows of x) are bound by their arithmetic and ask one
-// tile ahead. A prefetch past the weights' end is dropped, not a fault.
-constexpr int64_t kNextTiles = 8;
-
-template <int NR>
-constexpr int64_t rows_ahead() {
-  return NR > 1 ? kNextTiles * NR : NR;
-}
-
 // d and m of block `blk` in each of NR weight rows, asking for a later tile's block.
 template <int64_t T, int NR>
 inline void block_scales(const uint8_t* blk, int64_t row_bytes, float (&d)[NR], float (&m)[NR]) {

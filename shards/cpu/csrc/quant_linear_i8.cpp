@@ -274,7 +274,8 @@ inline void dot_tile_i8(const XQuant& xq, int64_t r0, int64_t K, int64_t nb, con
     float dw[NR], c[NR];
     for (int n = 0; n < NR; ++n) {
       const uint8_t* blk = w + n * row_bytes + b * bytes;
-      _mm_prefetch(reinterpret_cast<const char*>(blk + NR * row_bytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk + rows_ahead<NR>() * row_bytes),
+                   _MM_HINT_T0);
       wq[n] = quants8<T>(blk, dw[n], c[n]);
     }
     for (int r = 0; r < MR; ++r) {
