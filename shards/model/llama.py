@@ -93,12 +93,57 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, tp, backend, rotary, dtype) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.decode_loop: DecodeLoop | None = None  # set where raygen's CPU kernels run it
 
     def forward(self, input_ids, positions, kv_caches, meta):
+        if self.decode_loop is not None and not meta.prefills:
+            return self.decode_loop(input_ids, positions, kv_caches, meta)
         x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
+
+
+class DecodeLoop:
+    """A step whose rows are all decodes (or drafts, which attend as decodes) on CPU, through
+    raygen's kernels in one flat loop: the calls the modules make, in their order, on the
+    same tensors (so the same bits), without the modules' dispatch around them (nn.Module
+    calls, the attention backend's path for mixed batches, the norm and rotary wrappers).
+    Linears go through their own `forward`, which keeps LoRA, the all-reduce of a
+    row-parallel product and its bias. One-row steps of SmolLM2's Q4_1 file took 0.87x
+    the time (benchmarks/NOTES.md 80)."""
+
+    def __init__(self, model: DecoderModel, kernels: Any):
+        attn = model.layers[0].self_attn
+        self.kernels = kernels
+        self.embed = model.embed_tokens
+        self.norm, self.eps = model.norm.weight, model.norm.eps
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.scale = attn.scale
+        self.cos, self.sin = attn.rotary.cos, attn.rotary.sin
+        self.layers = [(layer.input_layernorm.weight, layer.self_attn.qkv_proj,
+                        layer.self_attn.o_proj, layer.post_attention_layernorm.weight,
+                        layer.mlp.gate_up_proj, layer.mlp.down_proj) for layer in model.layers]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        k, eps = self.kernels, self.eps
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        v_from = (heads + kv_heads) * head_dim
+        x, residual = self.embed(input_ids), None
+        for (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj), (k_cache, v_cache) \
+                in zip(self.layers, kv_caches, strict=True):
+            h, residual = k.add_rms_norm(x, residual, norm_in, eps)
+            qkv = qkv_proj.forward(h)
+            q, key = k.rotary_qk(qkv, positions, self.cos, self.sin, heads, kv_heads, head_dim)
+            k.write_kv(key, qkv[:, v_from:].reshape(-1, kv_heads, head_dim), k_cache, v_cache,
+                       meta.slot_mapping)
+            out = k.paged_decode(q, k_cache, v_cache, meta.decode_block_tables,
+                                 meta.decode_seq_lens, self.scale)
+            h, residual = k.add_rms_norm(o_proj.forward(out.reshape(-1, heads * head_dim)),
+                                         residual, norm_post, eps)
+            x = down_proj.forward(k.silu_mul(gate_up_proj.forward(h)))
+        return k.add_rms_norm(x, residual, self.norm, eps)[0]
 
 
 class CausalLM(nn.Module):

@@ -26,7 +26,7 @@ from shards.model.attention import CpuPagedAttentionBackend, select_backend
 from shards.model.config import ModelConfig
 from shards.model.grammar import Grammars
 from shards.model.layers import TPContext, use_cpu_kernels
-from shards.model.llama import CausalLM
+from shards.model.llama import CausalLM, DecodeLoop
 from shards.shard_config import ShardConfig
 from shards.worker.adapters import RankAdapters
 from shards.worker.batch import make_output, metadata, step_rows
@@ -121,6 +121,7 @@ class ModelRunner:
             else None
         if kernels is not None:
             use_cpu_kernels(self.model, kernels)
+            self.model.model.decode_loop = DecodeLoop(self.model.model, kernels)
             logger.info("RMSNorm and rotary embedding: raygen's CPU kernels")
         self.adapters = RankAdapters(self.model, config.max_lora_rank, self.dtype, self.device,
                                      kernels, config.lora_adapters)

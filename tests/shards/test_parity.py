@@ -5,6 +5,7 @@ pressure."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from deployments.offline import LLM
 from engine.sampling_params import SamplingParams
@@ -51,6 +52,44 @@ def test_greedy_matches_transformers_with_staggered_arrivals(arch, llama_dir, qw
     assert max_running >= 4, "requests should overlap in the batch"
     assert got == references(model_dir, parity_prompts, PARITY_NEW_TOKENS)
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0
+
+
+class CheckedLoop:
+    """The decode loop of `llm`'s model, each step's hidden states checked against the
+    modules' own path on the same inputs (which writes the same K and V again)."""
+
+    def __init__(self, llm: LLM):
+        self.model = llm.runner.model.model
+        self.loop = self.model.decode_loop
+        assert self.loop is not None, "raygen's CPU kernels run decode steps in the loop"
+        self.rows: list[int] = []
+        self.model.decode_loop = self
+
+    def __call__(self, input_ids, positions, kv_caches, meta):
+        out = self.loop(input_ids, positions, kv_caches, meta)
+        self.model.decode_loop = None
+        try:
+            modules = self.model(input_ids, positions, kv_caches, meta)
+        finally:
+            self.model.decode_loop = self
+        assert torch.equal(out, modules)
+        self.rows.append(len(input_ids))
+        return out
+
+
+@pytest.mark.parametrize(("arch", "kv_cache_dtype"),
+                         [("llama", "auto"), ("qwen2", "auto"), ("llama", "float16")])
+def test_decode_steps_take_the_loop_bit_for_bit_as_the_modules(arch, kv_cache_dtype, llama_dir,
+                                                                qwen2_dir, parity_prompts):
+    """Decode-only steps skip the modules' dispatch (shards/model/llama.py DecodeLoop): the
+    same kernels on the same tensors, so the same bits, Qwen2's q/k/v biases and a float16
+    KV cache included; steps with a prefill keep the modules. (Equal to transformers: the
+    test above, whose decode steps take the loop.)"""
+    model_dir = llama_dir if arch == "llama" else qwen2_dir
+    llm = LLM(model_dir, num_blocks=256, kv_cache_dtype=kv_cache_dtype)
+    checked = CheckedLoop(llm)
+    run_staggered(llm, parity_prompts, PARITY_NEW_TOKENS)
+    assert 1 in checked.rows and max(checked.rows) >= 4  # one row and a batch
 
 
 def test_chunked_prefill_matches(llama_dir, parity_prompts):
