@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -475,7 +476,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
         args.tokenizer = str(model_dir(args.model))  # the file's tokenizer, converted once
     args.servers = [s for s in args.servers.split(",") if s]
-    args.raygen_tp = sorted({int(s.partition("@")[0].removeprefix("raygen-tp"))
+    args.raygen_tp = sorted({int(re.match(r"raygen-tp(\d+)", s).group(1))
                              for s in args.servers if s.startswith("raygen-tp")})
     return args
 
