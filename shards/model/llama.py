@@ -110,7 +110,7 @@ class DecodeLoop:
     same tensors (so the same bits), without the modules' dispatch around them (nn.Module
     calls, the attention backend's path for mixed batches, the norm and rotary wrappers).
     Linears go through their own `forward`, which keeps LoRA, the all-reduce of a
-    row-parallel product and its bias. One-row steps of SmolLM2's Q4_1 file took 0.87x
+    row-parallel product and its bias. One-row steps of SmolLM2's Q4_1 file took 0.80-0.87x
     the time (benchmarks/NOTES.md 80)."""
 
     def __init__(self, model: DecoderModel, kernels: Any):
