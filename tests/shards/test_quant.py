@@ -36,6 +36,55 @@ def test_products_equal_the_dequantized_weights(kind, rows):
     assert not torch.equal(got, x @ weight.T)  # the quantization is in it, not the floats
 
 
+lanes = pytest.mark.skipif(kernels is None or not kernels.quant_lanes_supported(),
+                           reason="rows in lanes: AVX2 builds (AVX-512 keeps its block tiles)")
+
+
+@lanes
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize(("n", "threads"), [(40, 1), (200, 2)])  # 3 tasks; 13 tasks, 2 ranges
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])  # each count of accumulators per row
+def test_products_in_lanes_equal_the_dequantized_weights(kind, n, threads, rows):
+    """Small steps' products on the blocks laid out again with 8 output rows to a vector
+    (shards/cpu/csrc/quant_lanes.cpp), on one thread and on two that claim ranges."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    rng = np.random.default_rng(n)
+    k = 96
+    blocks = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    dequantized = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(n, k))
+    packed = kernels.pack_quant_lanes(torch.from_numpy(blocks), KERNEL_TYPES[kind], k)
+    assert packed.numel() == blocks.size  # the same bytes, in another order
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernels.linear_quant_lanes(x, packed, KERNEL_TYPES[kind], n, bias)
+        # Each weight where the file has it: x = e_j reads column j of the weights.
+        eye = torch.eye(k)
+        columns = torch.cat([kernels.linear_quant_lanes(eye[j:j + rows], packed,
+                                                        KERNEL_TYPES[kind], n, None).T
+                             for j in range(0, k, rows)], dim=1)[:, :k]
+    finally:
+        torch.set_num_threads(saved)
+    want = (x.double() @ dequantized.double().T + bias.double()).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(columns, dequantized, rtol=1e-6, atol=1e-6)
+
+
+@lanes
+def test_rows_in_lanes_refuse_what_they_cannot_lay_out():
+    blocks = torch.from_numpy(gguf.quants.quantize(np.ones((12, 64), np.float32),
+                                                   gguf.GGMLQuantizationType.Q4_1))
+    with pytest.raises(RuntimeError, match="12 rows are not whole groups of 8"):
+        kernels.pack_quant_lanes(blocks, KERNEL_TYPES["Q4_1"], 64)
+    with pytest.raises(RuntimeError, match="Q4_0 \\(0\\), Q4_1 \\(1\\) and Q8_0 \\(2\\) only"):
+        kernels.pack_quant_lanes(torch.zeros(8, 128, dtype=torch.uint8), 3, 64)
+    packed = kernels.pack_quant_lanes(blocks[:8].contiguous(), KERNEL_TYPES["Q4_1"], 64)
+    with pytest.raises(RuntimeError, match="1 to 8 float32 rows of x"):
+        kernels.linear_quant_lanes(torch.zeros(9, 64), packed, KERNEL_TYPES["Q4_1"], 8, None)
+
+
 def int8_rows(x: torch.Tensor) -> torch.Tensor:
     """x as the int8 kernel sees it: each block of 32 rounded to 255 levels of its max."""
     blocks = x.view(x.shape[0], -1, 32)

@@ -24,6 +24,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_i8_supported", &quant_i8_supported, "whether linear_quant_i8 is built");
   m.def("linear_quant_i8", &linear_quant_i8,
         "linear_quant with x quantized to int8 blocks, products in integers (Q4_0, Q4_1, Q8_0)");
+  m.def("quant_lanes_supported", &quant_lanes_supported,
+        "whether pack_quant_lanes/linear_quant_lanes are built");
+  m.def("pack_quant_lanes", &pack_quant_lanes,
+        "W's GGUF blocks (Q4_0, Q4_1, Q8_0) as groups of 8 rows, one row per vector lane");
+  m.def("linear_quant_lanes", &linear_quant_lanes,
+        "one row of x times W^T (+ bias) on pack_quant_lanes' layout (CPU, fp32 x)");
   m.def("lora_add", &lora_add,
         "y[r] += x[r] A[:, c0:c1] B[c0:c1] with (c0, c1) each row's adapter's columns (CPU, fp32)");
 }

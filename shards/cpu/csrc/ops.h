@@ -39,6 +39,13 @@ bool quant_i8_supported();
 at::Tensor linear_quant_i8(at::Tensor x, at::Tensor weight, int64_t type, int64_t out_features,
                            std::optional<at::Tensor> bias);
 
+// One row of x times W^T with W's Q4_0, Q4_1 or Q8_0 blocks laid out again so that a
+// vector's lanes hold 8 output rows (quant_lanes.cpp): a decode step's products.
+bool quant_lanes_supported();
+at::Tensor pack_quant_lanes(at::Tensor weight, int64_t type, int64_t in_features);
+at::Tensor linear_quant_lanes(at::Tensor x, at::Tensor lanes, int64_t type, int64_t out_features,
+                              std::optional<at::Tensor> bias);
+
 // LoRA: each row's delta through its own adapter's columns, added to y (lora.cpp).
 void lora_add(at::Tensor x, at::Tensor y, at::Tensor a_rows, at::Tensor b_rows,
               at::Tensor columns);

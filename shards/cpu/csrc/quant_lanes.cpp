@@ -1,0 +1,307 @@
+// Small steps' x W^T (1-8 rows of x), with W's GGUF blocks (Q4_0, Q4_1, Q8_0) laid out
+// again at load so that the 8 lanes of an AVX2 vector hold 8 output rows ("rows in
+// lanes"), not 8 weights of one row as in the file.
+//
+// A decode step at batch 1 multiplies each weight once. In the file's layout each block is
+// reduced across a vector (x . q in 8 lanes, then d and m applied per block and weight
+// row), so every 32 weights cost a load, nibble masks, 4 widenings, 4 conversions, 4 FMAs
+// and the block's scales: gcc's loop runs ~33 instructions a block and row, and the
+// product is bound by them, not by memory (quant_linear.cpp). Here a vector holds the
+// same weight position of 8 rows, so x[k] is one broadcast from memory for all 8, and a
+// block's d and m are one vector each for 8 rows:
+//   Q4: a 32-bit lane holds 8 consecutive nibbles of its row. With one row of x, nibble j
+//       is taken with one AND (in place: it converts to q * 16^j, exactly) and summed into
+//       accumulator j, scaled back by 16^-j once per block (exact: a power of two); with
+//       more rows, it is shifted down, dequantized once (w = d q + m) and used for each.
+//   Q8: 8 rows' int8 quants of one position are 8 consecutive bytes, widened in one op.
+// One row: per 8 weights a mask, a conversion, an FMA and a broadcast; nothing per row per
+// block. The same arithmetic as the block kernel (d (x . q) + m sum(x) per block, or the
+// dequantized weights, in float32), summed in another order: the dequantized weights'
+// product up to rounding. SmolLM2's Q4_1 layer products take 0.64x the block kernel's time
+// at 1 row and 0.70-0.78x at 2-8 (benchmarks/NOTES.md 81).
+//
+// Threads take contiguous ranges of 16 output rows and claim within them in order, so that
+// each thread streams its weights front to back (claims handed out in turn cut each
+// thread's stream into pieces that the hardware prefetcher starts over: 7.8 against 5.4 ms
+// for those 120 products at one row, NOTES.md 81); a thread done with its own range takes
+// from the others', so a preempted thread still holds no one up.
+#include "ops.h"
+
+#include "quant.h"
+
+#include <atomic>
+
+namespace {
+
+#if defined(RAYGEN_QUANT_FLOAT) && !defined(__AVX512F__)
+#define RAYGEN_QUANT_LANES 1
+#endif
+
+constexpr int64_t kLanes = 8;  // output rows per group (AVX2's floats per vector)
+constexpr int kMaxLaneRows = 8;  // rows of x per call
+
+// Bytes of one block of a group of 8 rows: the quants, then 8 fp16 d (and for Q4_1 8 fp16 m).
+int64_t lane_block_bytes(int64_t type) {
+  switch (type) {
+    case kQ4_0: return 128 + 16;
+    case kQ4_1: return 128 + 32;
+    case kQ8_0: return 256 + 16;
+    default: return 0;
+  }
+}
+
+// Runs work(task) for every task in [0, tasks) as for_each_claimed does, but each thread
+// starts on a contiguous range of its own and claims it front to back, then the others'.
+template <typename Work>
+void for_each_claimed_in_ranges(int64_t tasks, const Work& work) {
+  if (tasks <= 0) return;
+  constexpr int kMaxTeams = 64;
+  const int64_t teams = std::min<int64_t>({tasks, at::get_num_threads(), kMaxTeams});
+  std::atomic<int64_t> next[kMaxTeams];
+  int64_t end[kMaxTeams];
+  for (int64_t t = 0; t < teams; ++t) {
+    next[t].store(tasks * t / teams, std::memory_order_relaxed);
+    end[t] = tasks * (t + 1) / teams;
+  }
+  at::parallel_for(0, teams, 1, [&](int64_t first, int64_t) {
+    for (int64_t i = 0; i < teams; ++i) {
+      const int64_t range = (first + i) % teams;
+      for (int64_t task; (task = next[range].fetch_add(1, std::memory_order_relaxed)) < end[range];)
+        work(task);
+    }
+  });
+}
+
+#if defined(RAYGEN_QUANT_LANES)
+
+inline __m256 sum8(const __m256 (&a)[8]) {
+  return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])),
+                       _mm256_add_ps(_mm256_add_ps(a[4], a[5]), _mm256_add_ps(a[6], a[7])));
+}
+
+// x . w for the 8 rows of group `w` (nb blocks of lane_block_bytes(T)); xsum[b]: x's sum over
+// block b (the min term of Q4 blocks).
+template <int64_t T>
+inline __m256 group_dot(const float* x, const float* xsum, int64_t nb, const uint8_t* w) {
+  constexpr int64_t bytes = T == kQ4_0 ? 144 : T == kQ4_1 ? 160 : 272;
+  constexpr int64_t quants = T == kQ8_0 ? 256 : 128;
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bytes;
+    // Sequential within a thread's range: ask for the block 8 ahead (its lines).
+    for (int64_t line = 0; line < bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * bytes + line), _MM_HINT_T0);
+    const float* xb = x + b * kBlock;
+    __m256 a[8];
+    for (auto& v : a) v = _mm256_setzero_ps();
+    __m256 p;
+    if constexpr (T == kQ8_0) {
+#pragma GCC unroll 32
+      for (int k = 0; k < 32; ++k) {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 8 * k));
+        a[k & 7] = _mm256_fmadd_ps(_mm256_broadcast_ss(xb + k),
+                                   _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), a[k & 7]);
+      }
+      p = sum8(a);
+    } else {
+      for (int g = 0; g < 4; ++g) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * g));
+#pragma GCC unroll 7
+        for (int j = 0; j < 7; ++j) {
+          const __m256i q = _mm256_and_si256(v, _mm256_set1_epi32(0xF << (4 * j)));
+          a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xb + 8 * g + j), _mm256_cvtepi32_ps(q), a[j]);
+        }
+        // The top nibble shifted down: in place it would not fit a positive int32.
+        a[7] = _mm256_fmadd_ps(_mm256_broadcast_ss(xb + 8 * g + 7),
+                               _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 28)), a[7]);
+      }
+      p = _mm256_add_ps(a[0], a[7]);
+      float scale = 1.0f;
+      for (int j = 1; j < 7; ++j) {
+        scale *= 1.0f / 16.0f;
+        p = _mm256_fmadd_ps(a[j], _mm256_set1_ps(scale), p);
+      }
+    }
+    // d (x . q) + m sum(x) for the block, then into the sum: the min term cancels most of
+    // the product's size within the block, as in the block kernel.
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants)));
+    if constexpr (T == kQ4_1) {
+      const __m256 m = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants + 16)));
+      acc = _mm256_add_ps(acc, _mm256_fmadd_ps(d, p, _mm256_mul_ps(m, _mm256_set1_ps(xsum[b]))));
+    } else if constexpr (T == kQ4_0) {  // w = d (q - 8)
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(d, _mm256_sub_ps(p, _mm256_set1_ps(8.0f * xsum[b]))));
+    } else {
+      acc = _mm256_fmadd_ps(d, p, acc);
+    }
+  }
+  return acc;
+}
+
+// The same for MR = 2-8 rows of x (a multi-step's drafts, a small batch): each vector of 8
+// rows' weights is dequantized once (w = d q + m, one FMA, as the block kernel's tiles do)
+// and used for every row of x, with A accumulators per row so that 8 FMAs are in flight
+// (16 vector registers: MR x A accumulators, d, m, the mask, the quants and a weight).
+template <int64_t T, int MR>
+inline void group_dot_rows(const float* x, int64_t K, int64_t nb, const uint8_t* w,
+                           __m256 (&y)[MR]) {
+  constexpr int64_t bytes = T == kQ4_0 ? 144 : T == kQ4_1 ? 160 : 272;
+  constexpr int64_t quants = T == kQ8_0 ? 256 : 128;
+  constexpr int A = MR == 2 ? 4 : MR <= 4 ? 2 : 1;
+  __m256 acc[MR][A];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bytes;
+    for (int64_t line = 0; line < bytes; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * bytes + line), _MM_HINT_T0);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants)));
+    const __m256 m = T == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                      reinterpret_cast<const __m128i*>(blk + quants + 16)))
+                                : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));  // Q4_0
+    const float* xb = x + b * kBlock;
+    const auto use = [&](int k, __m256 wk) {
+      for (int r = 0; r < MR; ++r)
+        acc[r][k % A] = _mm256_fmadd_ps(_mm256_broadcast_ss(xb + r * K + k), wk, acc[r][k % A]);
+    };
+    if constexpr (T == kQ8_0) {
+#pragma GCC unroll 32
+      for (int k = 0; k < 32; ++k) {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 8 * k));
+        use(k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
+      }
+    } else {
+      const __m256i mask = _mm256_set1_epi32(0xF);
+      for (int g = 0; g < 4; ++g) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * g));
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const __m256i q = j == 0 ? _mm256_and_si256(v, mask)
+                            : j == 7 ? _mm256_srli_epi32(v, 28)
+                                     : _mm256_and_si256(_mm256_srli_epi32(v, 4 * j), mask);
+          use(8 * g + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    y[r] = acc[r][0];
+    for (int a = 1; a < A; ++a) y[r] = _mm256_add_ps(y[r], acc[r][a]);
+  }
+}
+
+template <int64_t T, int MR>
+void lanes_product(const float* x, int64_t K, const uint8_t* w, int64_t N, const float* bias,
+                   float* out) {
+  const int64_t nb = K / kBlock, group_bytes = nb * lane_block_bytes(T);
+  std::vector<float> xsum(MR == 1 ? nb : 0, 0.0f);  // one row: the min term per block
+  for (int64_t b = 0; b < static_cast<int64_t>(xsum.size()); ++b)
+    for (int64_t j = 0; j < kBlock; ++j) xsum[b] += x[b * kBlock + j];
+  constexpr int64_t per_task = kTaskRows / kLanes;
+  const int64_t groups = N / kLanes;
+  for_each_claimed_in_ranges((groups + per_task - 1) / per_task, [&](int64_t task) {
+    const int64_t g1 = std::min(groups, (task + 1) * per_task);
+    for (int64_t g = task * per_task; g < g1; ++g) {
+      __m256 y[MR];
+      if constexpr (MR == 1)
+        y[0] = group_dot<T>(x, xsum.data(), nb, w + g * group_bytes);
+      else
+        group_dot_rows<T, MR>(x, K, nb, w + g * group_bytes, y);
+      const __m256 bv = bias ? _mm256_loadu_ps(bias + g * kLanes) : _mm256_setzero_ps();
+      for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * N + g * kLanes, _mm256_add_ps(y[r], bv));
+    }
+  });
+}
+
+#endif  // RAYGEN_QUANT_LANES
+
+void check_lanes_type(const char* name, int64_t type) {
+  TORCH_CHECK(lane_block_bytes(type) > 0, name, ": rows in lanes for Q4_0 (0), Q4_1 (1) and "
+              "Q8_0 (2) only, not type ", type);
+}
+
+}  // namespace
+
+bool quant_lanes_supported() {
+#if defined(RAYGEN_QUANT_LANES)
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor pack_quant_lanes(at::Tensor weight, int64_t type, int64_t in_features) {
+  check_lanes_type("pack_quant_lanes", type);
+  const int64_t N = weight.size(0), nb = in_features / kBlock, src = block_bytes(type);
+  TORCH_CHECK(in_features % kBlock == 0 && weight.dim() == 2 && weight.scalar_type() == at::kByte &&
+                  weight.is_contiguous() && weight.size(1) == nb * src,
+              "pack_quant_lanes: weight ", weight.sizes(), " is not rows of ", nb, " blocks");
+  TORCH_CHECK(N % kLanes == 0, "pack_quant_lanes: ", N, " rows are not whole groups of ", kLanes);
+  const int64_t dst = lane_block_bytes(type), quants = type == kQ8_0 ? 256 : 128;
+  at::Tensor out = at::empty({N / kLanes, nb * dst}, weight.options());
+  const uint8_t* w = weight.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / kLanes, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* ob = o + (g * nb + b) * dst;
+        for (int64_t r = 0; r < kLanes; ++r) {
+          const uint8_t* blk = w + (g * kLanes + r) * nb * src + b * src;
+          std::memcpy(ob + quants + 2 * r, blk, 2);  // d
+          if (type == kQ8_0) {
+            for (int k = 0; k < 32; ++k) ob[8 * k + r] = blk[2 + k];
+            continue;
+          }
+          const uint8_t* qs = blk + (type == kQ4_1 ? 4 : 2);
+          if (type == kQ4_1) std::memcpy(ob + quants + 16 + 2 * r, blk + 2, 2);  // m
+          // The file holds weight j in byte j's low nibble and weight j + 16 in its high one.
+          for (int part = 0; part < 4; ++part) {
+            uint32_t lane = 0;
+            for (int j = 0; j < 8; ++j) {
+              const int k = 8 * part + j;
+              const uint32_t q = k < 16 ? qs[k] & 0x0F : qs[k - 16] >> 4;
+              lane |= q << (4 * j);
+            }
+            std::memcpy(ob + 32 * part + 4 * r, &lane, 4);
+          }
+        }
+      }
+  });
+  return out;
+}
+
+at::Tensor linear_quant_lanes(at::Tensor x, at::Tensor lanes, int64_t type, int64_t out_features,
+                              std::optional<at::Tensor> bias) {
+  TORCH_CHECK(quant_lanes_supported(), "linear_quant_lanes: built without AVX2 with FMA and F16C "
+              "(or built for AVX-512, whose block kernel serves one row)");
+  check_lanes_type("linear_quant_lanes", type);
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxLaneRows &&
+                  x.scalar_type() == at::kFloat,
+              "linear_quant_lanes: 1 to ", kMaxLaneRows, " float32 rows of x");
+  const int64_t K = x.size(1), M = x.size(0);
+  TORCH_CHECK(K % kBlock == 0 && out_features % kLanes == 0 && lanes.dim() == 2 &&
+                  lanes.scalar_type() == at::kByte && lanes.is_contiguous() &&
+                  lanes.size(0) == out_features / kLanes &&
+                  lanes.size(1) == K / kBlock * lane_block_bytes(type),
+              "linear_quant_lanes: lanes ", lanes.sizes(), " are not ", out_features, " rows of ",
+              K / kBlock, " blocks");
+  at::Tensor xc = x.contiguous();
+  at::Tensor keep;
+  const float* b = bias_data(bias, out_features, "linear_quant_lanes", keep);
+  at::Tensor out = at::empty({M, out_features}, xc.options());
+#if defined(RAYGEN_QUANT_LANES)
+  const auto run = [&](auto t) {
+    with_rows<kMaxLaneRows>(static_cast<int>(M), [&](auto mr) {
+      lanes_product<decltype(t)::value, decltype(mr)::value>(
+          xc.data_ptr<float>(), K, lanes.data_ptr<uint8_t>(), out_features, b,
+          out.data_ptr<float>());
+    });
+  };
+  switch (type) {
+    case kQ4_0: run(std::integral_constant<int64_t, kQ4_0>{}); break;
+    case kQ4_1: run(std::integral_constant<int64_t, kQ4_1>{}); break;
+    default: run(std::integral_constant<int64_t, kQ8_0>{}); break;
+  }
+#endif
+  return out;
+}
