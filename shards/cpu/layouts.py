@@ -24,20 +24,21 @@ ONEDNN_BATCH_HINT = 32
 PANEL_MAX_ROWS = 256
 
 
-# The block types laid out with 8 output rows to a vector (shards/cpu/csrc/quant_lanes.cpp)
-# and the most rows of x a step has for that layout to serve it. SmolLM2's Q4_1 file on an
-# AMD EPYC, its 120 layer products against the file's blocks: 0.64x the time at 1 row,
-# 0.70-0.78x at 2-8; its Q8_0 LM head 0.72-0.88x at 1-6 rows, 1.10x at 8 (NOTES.md 81).
-LANE_ROWS = {"Q4_0": 8, "Q4_1": 8, "Q8_0": 6}
+# The block types that are also laid out with 8 output rows to a vector for the steps that
+# use the blocks (shards/cpu/csrc/quant_lanes.cpp). SmolLM2's Q4_1 file on an AMD EPYC, its
+# 120 layer products against the file's blocks: 0.60-0.64x the time at 1 row, 0.64-0.78x
+# at 2-32; its Q8_0 LM head 0.65-0.88x at 1-6 rows, 0.96-1.05x at 8-16, 0.73-0.82x at 24
+# and 32 (benchmarks/NOTES.md 81).
+LANE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 
 def pack_quantized(model: nn.Module, kernels: Any, int8: bool = False) -> dict[str, int]:
     """Give every linear whose weight came whole from a GGUF file in a type the kernels
     read (`_keep_blocks`) those blocks, one uint8 row of blocks per output row, to multiply
     by (`_Matmul.quant`; no step uses them until `set_quant_rows`), by x rounded to int8
-    blocks where `int8`; for small steps (float x) the same blocks also laid out with 8
-    output rows to a vector (`_Matmul.quant_lanes`, LANE_ROWS), where the kernels have that
-    layout and the rows come in whole groups of 8. Returns the count of linears by type."""
+    blocks where `int8`; with float x the same blocks also laid out with 8 output rows to a
+    vector (`_Matmul.quant_lanes`, LANE_TYPES), where the kernels have that layout and the
+    rows come in whole groups of 8. Returns the count of linears by type."""
     counts: dict[str, int] = {}
     for module in model.modules():
         parts = getattr(getattr(module, "weight", None), "gguf_blocks", None)
@@ -52,11 +53,10 @@ def pack_quantized(model: nn.Module, kernels: Any, int8: bool = False) -> dict[s
         module.quant_type = KERNEL_TYPES[kind]
         module.quant_kernels = kernels
         module.quant_int8 = int8
-        if (not int8 and kind in LANE_ROWS and module.weight_shape[0] % 8 == 0
+        if (not int8 and kind in LANE_TYPES and module.weight_shape[0] % 8 == 0
                 and kernels.quant_lanes_supported()):
             module.quant_lanes = kernels.pack_quant_lanes(module.quant, module.quant_type,
                                                           module.weight_shape[1])
-            module.quant_lane_rows = LANE_ROWS[kind]
         counts[kind] = counts.get(kind, 0) + 1
     drop_gguf_blocks(model)
     return counts

@@ -151,17 +151,15 @@ class WeightPlan:
 
     def quant_blocks(self) -> dict | None:
         """A GGUF file's blocks as /info shows them: linears by type, the steps that use
-        them, x in float32 or int8, and the linears whose small steps multiply the blocks
-        laid out with 8 output rows to a vector (`_Matmul.quant_lanes`), up to how many
-        rows."""
+        them, x in float32 or int8, and how many linears read them laid out with 8 output
+        rows to a vector (`_Matmul.quant_lanes`)."""
         if not self.quant_types:
             return None
         lanes = [m for m in quantized(self.model) if m.quant_lanes is not None]
         return {"types": self.quant_types, "steps_up_to_rows": self.quant_rows,
                 "steps_up_to_rows_by_linear": self.quant_rows_by_kind,
                 "x": "int8" if self.quant_int8 else "float32",
-                "rows_in_lanes": {"linears": len(lanes),
-                                  "steps_up_to_rows": sorted({m.quant_lane_rows for m in lanes})}}
+                "rows_in_lanes": len(lanes)}
 
     def _pack(self, choice: str) -> str:
         """Which library multiplies by the weights (layers._Matmul): oneDNN on CPU, on
@@ -296,8 +294,8 @@ class WeightPlan:
             logger.info("raygen's block kernel, %d linears of %s (%s): %s: %s", len(linears),
                         kind, "x rounded to int8 blocks, products in integers"
                         if self.quant_int8 else "x in float32" + (
-                            f", steps of 1-{linears[0].quant_lane_rows} rows with 8 output "
-                            "rows to a vector" if linears[0].quant_lanes is not None else ""),
+                            ", 8 output rows to a vector"
+                            if linears[0].quant_lanes is not None else ""),
                         "; ".join(f"{rows} row(s) {a * 1e3:.2f} ms without, {b * 1e3:.2f} "
                                   f"ms with" for rows, (a, b) in timings.items()),
                         f"used for steps of 1-{up_to} rows" if up_to else "not used")

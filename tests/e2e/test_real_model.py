@@ -183,12 +183,10 @@ def test_info_says_the_file_s_blocks_are_multiplied_as_they_are(client):
     blocks = path["quant_blocks"]
     assert blocks["types"] == {"Q4_1": 120, "Q8_0": 1} and blocks["x"] == "float32"
     assert blocks["steps_up_to_rows"] >= 0  # timed at start-up: 0 where they lose
-    # Small steps on the same blocks with 8 output rows to a vector (AVX2 builds): every
-    # linear (all have whole groups of 8 rows), the layers' Q4_1 up to 8 rows, the Q8_0
-    # LM head up to 6.
+    # The same blocks laid out with 8 output rows to a vector (AVX2 builds): every linear
+    # (all have whole groups of 8 rows).
     from shards.cpu import kernels
 
     module = kernels.load()
     lanes = module is not None and module.quant_lanes_supported()
-    assert blocks["rows_in_lanes"] == ({"linears": 121, "steps_up_to_rows": [6, 8]} if lanes
-                                       else {"linears": 0, "steps_up_to_rows": []})
+    assert blocks["rows_in_lanes"] == (121 if lanes else 0)

@@ -43,9 +43,10 @@ lanes = pytest.mark.skipif(kernels is None or not kernels.quant_lanes_supported(
 @lanes
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize(("n", "threads"), [(40, 1), (200, 2)])  # 3 tasks; 13 tasks, 2 ranges
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])  # each count of accumulators per row
+# Each count of accumulators per row (1, 2, 3-4, 5-8 rows), and tiles of them (20 = 7 + 7 + 6).
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 20])
 def test_products_in_lanes_equal_the_dequantized_weights(kind, n, threads, rows):
-    """Small steps' products on the blocks laid out again with 8 output rows to a vector
+    """Products on the blocks laid out again with 8 output rows to a vector
     (shards/cpu/csrc/quant_lanes.cpp), on one thread and on two that claim ranges."""
     qtype = gguf.GGMLQuantizationType[kind]
     rng = np.random.default_rng(n)
@@ -81,8 +82,10 @@ def test_rows_in_lanes_refuse_what_they_cannot_lay_out():
     with pytest.raises(RuntimeError, match="Q4_0 \\(0\\), Q4_1 \\(1\\) and Q8_0 \\(2\\) only"):
         kernels.pack_quant_lanes(torch.zeros(8, 128, dtype=torch.uint8), 3, 64)
     packed = kernels.pack_quant_lanes(blocks[:8].contiguous(), KERNEL_TYPES["Q4_1"], 64)
-    with pytest.raises(RuntimeError, match="1 to 8 float32 rows of x"):
-        kernels.linear_quant_lanes(torch.zeros(9, 64), packed, KERNEL_TYPES["Q4_1"], 8, None)
+    with pytest.raises(RuntimeError, match="2-d float32 x"):
+        kernels.linear_quant_lanes(torch.zeros(64), packed, KERNEL_TYPES["Q4_1"], 8, None)
+    with pytest.raises(RuntimeError, match="are not 8 rows of 3 blocks"):
+        kernels.linear_quant_lanes(torch.zeros(1, 96), packed, KERNEL_TYPES["Q4_1"], 8, None)
 
 
 def int8_rows(x: torch.Tensor) -> torch.Tensor:

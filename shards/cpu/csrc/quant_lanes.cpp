@@ -1,4 +1,4 @@
-// Small steps' x W^T (1-8 rows of x), with W's GGUF blocks (Q4_0, Q4_1, Q8_0) laid out
+// Small steps' x W^T, with W's GGUF blocks (Q4_0, Q4_1, Q8_0) laid out
 // again at load so that the 8 lanes of an AVX2 vector hold 8 output rows ("rows in
 // lanes"), not 8 weights of one row as in the file.
 //
@@ -38,7 +38,7 @@ namespace {
 #endif
 
 constexpr int64_t kLanes = 8;  // output rows per group (AVX2's floats per vector)
-constexpr int kMaxLaneRows = 8;  // rows of x per call
+constexpr int kMaxTileRows = 8;  // rows of x per pass over the weights
 
 // Bytes of one block of a group of 8 rows: the quants, then 8 fp16 d (and for Q4_1 8 fp16 m).
 int64_t lane_block_bytes(int64_t type) {
@@ -190,26 +190,41 @@ inline void group_dot_rows(const float* x, int64_t K, int64_t nb, const uint8_t*
   }
 }
 
+// Rows r0 .. r0 + MR of out for the groups of one task.
 template <int64_t T, int MR>
-void lanes_product(const float* x, int64_t K, const uint8_t* w, int64_t N, const float* bias,
-                   float* out) {
+void lanes_tile(const float* x, int64_t K, const float* xsum, const uint8_t* w, int64_t N,
+                const float* bias, float* out, int64_t g0, int64_t g1) {
   const int64_t nb = K / kBlock, group_bytes = nb * lane_block_bytes(T);
-  std::vector<float> xsum(MR == 1 ? nb : 0, 0.0f);  // one row: the min term per block
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256 y[MR];
+    if constexpr (MR == 1)
+      y[0] = group_dot<T>(x, xsum, nb, w + g * group_bytes);
+    else
+      group_dot_rows<T, MR>(x, K, nb, w + g * group_bytes, y);
+    const __m256 bv = bias ? _mm256_loadu_ps(bias + g * kLanes) : _mm256_setzero_ps();
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * N + g * kLanes, _mm256_add_ps(y[r], bv));
+  }
+}
+
+// M rows of x in tiles of up to 8, as even as they go (12 = 6 + 6); a task's weights (16
+// rows, a few KB) stay in the caches from one tile to the next.
+template <int64_t T>
+void lanes_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                   const float* bias, float* out) {
+  const int64_t nb = K / kBlock;
+  std::vector<float> xsum(M == 1 ? nb : 0, 0.0f);  // one row: the min term per block
   for (int64_t b = 0; b < static_cast<int64_t>(xsum.size()); ++b)
     for (int64_t j = 0; j < kBlock; ++j) xsum[b] += x[b * kBlock + j];
+  const int64_t tiles = (M + kMaxTileRows - 1) / kMaxTileRows, per_tile = (M + tiles - 1) / tiles;
   constexpr int64_t per_task = kTaskRows / kLanes;
   const int64_t groups = N / kLanes;
   for_each_claimed_in_ranges((groups + per_task - 1) / per_task, [&](int64_t task) {
-    const int64_t g1 = std::min(groups, (task + 1) * per_task);
-    for (int64_t g = task * per_task; g < g1; ++g) {
-      __m256 y[MR];
-      if constexpr (MR == 1)
-        y[0] = group_dot<T>(x, xsum.data(), nb, w + g * group_bytes);
-      else
-        group_dot_rows<T, MR>(x, K, nb, w + g * group_bytes, y);
-      const __m256 bv = bias ? _mm256_loadu_ps(bias + g * kLanes) : _mm256_setzero_ps();
-      for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * N + g * kLanes, _mm256_add_ps(y[r], bv));
-    }
+    const int64_t g0 = task * per_task, g1 = std::min(groups, g0 + per_task);
+    for (int64_t r = 0; r < M; r += per_tile)
+      with_rows<kMaxTileRows>(static_cast<int>(std::min(per_tile, M - r)), [&](auto mr) {
+        lanes_tile<T, decltype(mr)::value>(x + r * K, K, xsum.data(), w, N, bias, out + r * N,
+                                           g0, g1);
+      });
   });
 }
 
@@ -275,9 +290,8 @@ at::Tensor linear_quant_lanes(at::Tensor x, at::Tensor lanes, int64_t type, int6
   TORCH_CHECK(quant_lanes_supported(), "linear_quant_lanes: built without AVX2 with FMA and F16C "
               "(or built for AVX-512, whose block kernel serves one row)");
   check_lanes_type("linear_quant_lanes", type);
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxLaneRows &&
-                  x.scalar_type() == at::kFloat,
-              "linear_quant_lanes: 1 to ", kMaxLaneRows, " float32 rows of x");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat,
+              "linear_quant_lanes: 2-d float32 x");
   const int64_t K = x.size(1), M = x.size(0);
   TORCH_CHECK(K % kBlock == 0 && out_features % kLanes == 0 && lanes.dim() == 2 &&
                   lanes.scalar_type() == at::kByte && lanes.is_contiguous() &&
@@ -291,11 +305,9 @@ at::Tensor linear_quant_lanes(at::Tensor x, at::Tensor lanes, int64_t type, int6
   at::Tensor out = at::empty({M, out_features}, xc.options());
 #if defined(RAYGEN_QUANT_LANES)
   const auto run = [&](auto t) {
-    with_rows<kMaxLaneRows>(static_cast<int>(M), [&](auto mr) {
-      lanes_product<decltype(t)::value, decltype(mr)::value>(
-          xc.data_ptr<float>(), K, lanes.data_ptr<uint8_t>(), out_features, b,
-          out.data_ptr<float>());
-    });
+    if (M > 0)
+      lanes_product<decltype(t)::value>(xc.data_ptr<float>(), M, K, lanes.data_ptr<uint8_t>(),
+                                        out_features, b, out.data_ptr<float>());
   };
   switch (type) {
     case kQ4_0: run(std::integral_constant<int64_t, kQ4_0>{}); break;
