@@ -24,8 +24,8 @@ ONEDNN_BATCH_HINT = 32
 PANEL_MAX_ROWS = 256
 
 
-# The block types that are also laid out with 8 output rows to a vector for the steps that
-# use the blocks (shards/cpu/csrc/quant_lanes.cpp). SmolLM2's Q4_1 file on an AMD EPYC, its
+# The block types laid out with 8 output rows to a vector for the steps that use the blocks
+# (shards/cpu/csrc/quant_lanes.cpp). SmolLM2's Q4_1 file on an AMD EPYC, its
 # 120 layer products against the file's blocks: 0.60-0.64x the time at 1 row, 0.64-0.78x
 # at 2-32; its Q8_0 LM head 0.65-0.88x at 1-6 rows, 0.96-1.05x at 8-16, 0.73-0.82x at 24
 # and 32 (benchmarks/NOTES.md 81).
@@ -36,9 +36,10 @@ def pack_quantized(model: nn.Module, kernels: Any, int8: bool = False) -> dict[s
     """Give every linear whose weight came whole from a GGUF file in a type the kernels
     read (`_keep_blocks`) those blocks, one uint8 row of blocks per output row, to multiply
     by (`_Matmul.quant`; no step uses them until `set_quant_rows`), by x rounded to int8
-    blocks where `int8`; with float x the same blocks also laid out with 8 output rows to a
-    vector (`_Matmul.quant_lanes`, LANE_TYPES), where the kernels have that layout and the
-    rows come in whole groups of 8. Returns the count of linears by type."""
+    blocks where `int8`; with float x the blocks laid out again with 8 output rows to a
+    vector (`_Matmul.quant_lanes`, LANE_TYPES: the same bytes in another order), where the
+    kernels have that layout and the rows come in whole groups of 8. Returns the count of
+    linears by type."""
     counts: dict[str, int] = {}
     for module in model.modules():
         parts = getattr(getattr(module, "weight", None), "gguf_blocks", None)
@@ -55,8 +56,9 @@ def pack_quantized(model: nn.Module, kernels: Any, int8: bool = False) -> dict[s
         module.quant_int8 = int8
         if (not int8 and kind in LANE_TYPES and module.weight_shape[0] % 8 == 0
                 and kernels.quant_lanes_supported()):
-            module.quant_lanes = kernels.pack_quant_lanes(module.quant, module.quant_type,
-                                                          module.weight_shape[1])
+            module.quant = kernels.pack_quant_lanes(module.quant, module.quant_type,
+                                                    module.weight_shape[1])
+            module.quant_lanes = True
         counts[kind] = counts.get(kind, 0) + 1
     drop_gguf_blocks(model)
     return counts

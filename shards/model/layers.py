@@ -96,15 +96,15 @@ class _Matmul(nn.Module):
     quant_rows: int = 0
     quant_kernels: Any = None  # shards.cpu.kernels' module, which multiplies by `quant`
     quant_int8: bool = False  # x rounded to int8 blocks, products in integers
-    # The same blocks laid out with 8 output rows to a vector (`pack_quant_lanes`), which
-    # the steps that use the blocks read where it is kept.
-    quant_lanes: torch.Tensor | None = None
+    # `quant` laid out with 8 output rows to a vector (`pack_quant_lanes`), not as the file
+    # holds its blocks.
+    quant_lanes: bool = False
     # LoRA adapters of this linear (shards/model/lora.py), added to the rows that use them.
     lora: Any = None
 
     def quant_product(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.quant_lanes is not None:
-            return self.quant_kernels.linear_quant_lanes(x, self.quant_lanes, self.quant_type,
+        if self.quant_lanes:
+            return self.quant_kernels.linear_quant_lanes(x, self.quant, self.quant_type,
                                                          self.weight_shape[0], bias)
         kernel = self.quant_kernels.linear_quant_i8 if self.quant_int8 \
             else self.quant_kernels.linear_quant

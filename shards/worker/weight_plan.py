@@ -155,7 +155,7 @@ class WeightPlan:
         rows to a vector (`_Matmul.quant_lanes`)."""
         if not self.quant_types:
             return None
-        lanes = [m for m in quantized(self.model) if m.quant_lanes is not None]
+        lanes = [m for m in quantized(self.model) if m.quant_lanes]
         return {"types": self.quant_types, "steps_up_to_rows": self.quant_rows,
                 "steps_up_to_rows_by_linear": self.quant_rows_by_kind,
                 "x": "int8" if self.quant_int8 else "float32",
@@ -295,7 +295,7 @@ class WeightPlan:
                         kind, "x rounded to int8 blocks, products in integers"
                         if self.quant_int8 else "x in float32" + (
                             ", 8 output rows to a vector"
-                            if linears[0].quant_lanes is not None else ""),
+                            if linears[0].quant_lanes else ""),
                         "; ".join(f"{rows} row(s) {a * 1e3:.2f} ms without, {b * 1e3:.2f} "
                                   f"ms with" for rows, (a, b) in timings.items()),
                         f"used for steps of 1-{up_to} rows" if up_to else "not used")

@@ -147,7 +147,7 @@ inline void group_dot_rows(const float* x, int64_t K, int64_t nb, const uint8_t*
                            __m256 (&y)[MR]) {
   constexpr int64_t bytes = T == kQ4_0 ? 144 : T == kQ4_1 ? 160 : 272;
   constexpr int64_t quants = T == kQ8_0 ? 256 : 128;
-  constexpr int A = MR == 2 ? 4 : MR <= 4 ? 2 : 1;
+  constexpr int A = MR <= 2 ? 4 : MR <= 4 ? 2 : 1;
   __m256 acc[MR][A];
   for (auto& row : acc)
     for (auto& a : row) a = _mm256_setzero_ps();
@@ -197,10 +197,14 @@ void lanes_tile(const float* x, int64_t K, const float* xsum, const uint8_t* w, 
   const int64_t nb = K / kBlock, group_bytes = nb * lane_block_bytes(T);
   for (int64_t g = g0; g < g1; ++g) {
     __m256 y[MR];
-    if constexpr (MR == 1)
-      y[0] = group_dot<T>(x, xsum, nb, w + g * group_bytes);
-    else
+    if constexpr (MR == 1) {
+      if (xsum != nullptr)  // a step of one row
+        y[0] = group_dot<T>(x, xsum, nb, w + g * group_bytes);
+      else  // the last tile of a bigger step (57 = 7 x 8 + 1)
+        group_dot_rows<T, 1>(x, K, nb, w + g * group_bytes, y);
+    } else {
       group_dot_rows<T, MR>(x, K, nb, w + g * group_bytes, y);
+    }
     const __m256 bv = bias ? _mm256_loadu_ps(bias + g * kLanes) : _mm256_setzero_ps();
     for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * N + g * kLanes, _mm256_add_ps(y[r], bv));
   }
@@ -222,8 +226,8 @@ void lanes_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
     const int64_t g0 = task * per_task, g1 = std::min(groups, g0 + per_task);
     for (int64_t r = 0; r < M; r += per_tile)
       with_rows<kMaxTileRows>(static_cast<int>(std::min(per_tile, M - r)), [&](auto mr) {
-        lanes_tile<T, decltype(mr)::value>(x + r * K, K, xsum.data(), w, N, bias, out + r * N,
-                                           g0, g1);
+        lanes_tile<T, decltype(mr)::value>(x + r * K, K, M == 1 ? xsum.data() : nullptr, w, N,
+                                           bias, out + r * N, g0, g1);
       });
   });
 }
