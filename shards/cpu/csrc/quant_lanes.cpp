@@ -138,10 +138,11 @@ inline __m256 group_dot(const float* x, const float* xsum, int64_t nb, const uin
   return acc;
 }
 
-// The same for MR = 2-8 rows of x (a multi-step's drafts, a small batch): each vector of 8
-// rows' weights is dequantized once (w = d q + m, one FMA, as the block kernel's tiles do)
-// and used for every row of x, with A accumulators per row so that 8 FMAs are in flight
-// (16 vector registers: MR x A accumulators, d, m, the mask, the quants and a weight).
+// The same for a tile of MR rows of x (2-8; 1 only as the last tile of a bigger step): each
+// vector of 8 rows' weights is dequantized once (w = d q + m, one FMA, as the block
+// kernel's tiles do) and used for every row of x, with A accumulators per row so that 4-8
+// FMAs are in flight (16 vector registers: MR x A accumulators, d, m, the mask, the quants
+// and a weight).
 template <int64_t T, int MR>
 inline void group_dot_rows(const float* x, int64_t K, int64_t nb, const uint8_t* w,
                            __m256 (&y)[MR]) {
