@@ -140,15 +140,18 @@ inline __m256 group_dot(const float* x, const float* xsum, int64_t nb, const uin
 
 // The same for a tile of MR rows of x (2-8; 1 only as the last tile of a bigger step): each
 // vector of 8 rows' weights is dequantized once (w = d q + m, one FMA, as the block
-// kernel's tiles do) and used for every row of x, with A accumulators per row so that 4-8
-// FMAs are in flight (16 vector registers: MR x A accumulators, d, m, the mask, the quants
-// and a weight).
+// kernel's tiles do) and used for every row of x, with A accumulators per row so that
+// several FMAs are in flight: one waits 4 cycles for the one before it on its accumulator
+// and two issue a cycle, so 8 keep the units busy. MR x A accumulators (8 at 2, 4 and 8
+// rows, 10 at 5, 6-7 at 3, 6 and 7) and d, m, the mask, the quants and a weight share 16
+// vector registers: five rows with two each took 0.86-0.92x the time of one each, six
+// rows' twelve spill and lose (benchmarks/NOTES.md 82).
 template <int64_t T, int MR>
 inline void group_dot_rows(const float* x, int64_t K, int64_t nb, const uint8_t* w,
                            __m256 (&y)[MR]) {
   constexpr int64_t bytes = T == kQ4_0 ? 144 : T == kQ4_1 ? 160 : 272;
   constexpr int64_t quants = T == kQ8_0 ? 256 : 128;
-  constexpr int A = MR <= 2 ? 4 : MR <= 4 ? 2 : 1;
+  constexpr int A = MR <= 2 ? 4 : MR <= 5 ? 2 : 1;
   __m256 acc[MR][A];
   for (auto& row : acc)
     for (auto& a : row) a = _mm256_setzero_ps();
