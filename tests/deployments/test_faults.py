@@ -357,9 +357,21 @@ def test_shard_death_fails_streams_fast_then_a_fresh_replica_serves(apps):
     assert after and set(after).isdisjoint(before)  # new replica, new shards: no zombie
 
 
+def batcher_replicas(app: str, timeout: float = 90) -> list[dict]:
+    """The app's batcher replica actors, once only one is left: a replica that Serve
+    replaced (the shard-death test's) can still be stopping when the next test starts
+    (its graceful shutdown: up to 60 s), and it is still a named actor until it ends."""
+    deadline = time.monotonic() + timeout
+    while True:
+        replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                    if f"{app}#Batcher" in a["name"]]
+        if len(replicas) <= 1 or time.monotonic() > deadline:
+            return replicas
+        time.sleep(0.5)
+
+
 def test_batcher_replica_death_ends_requests_then_serves_again(apps):
-    replicas = [a for a in ray.util.list_named_actors(all_namespaces=True)
-                if "faults#Batcher" in a["name"]]
+    replicas = batcher_replicas("faults")
     assert len(replicas) == 1
     results, all_started, threads = run_streams(8, "/generate_stream", 400)
     assert all_started.wait(60)

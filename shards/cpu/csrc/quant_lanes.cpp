@@ -27,9 +27,8 @@
 // from the others', so a preempted thread still holds no one up.
 #include "ops.h"
 
+#include "claim.h"
 #include "quant.h"
-
-#include <atomic>
 
 namespace {
 
@@ -48,28 +47,6 @@ int64_t lane_block_bytes(int64_t type) {
     case kQ8_0: return 256 + 16;
     default: return 0;
   }
-}
-
-// Runs work(task) for every task in [0, tasks) as for_each_claimed does, but each thread
-// starts on a contiguous range of its own and claims it front to back, then the others'.
-template <typename Work>
-void for_each_claimed_in_ranges(int64_t tasks, const Work& work) {
-  if (tasks <= 0) return;
-  constexpr int kMaxTeams = 64;
-  const int64_t teams = std::min<int64_t>({tasks, at::get_num_threads(), kMaxTeams});
-  std::atomic<int64_t> next[kMaxTeams];
-  int64_t end[kMaxTeams];
-  for (int64_t t = 0; t < teams; ++t) {
-    next[t].store(tasks * t / teams, std::memory_order_relaxed);
-    end[t] = tasks * (t + 1) / teams;
-  }
-  at::parallel_for(0, teams, 1, [&](int64_t first, int64_t) {
-    for (int64_t i = 0; i < teams; ++i) {
-      const int64_t range = (first + i) % teams;
-      for (int64_t task; (task = next[range].fetch_add(1, std::memory_order_relaxed)) < end[range];)
-        work(task);
-    }
-  });
 }
 
 #if defined(RAYGEN_QUANT_LANES)
@@ -296,7 +273,7 @@ at::Tensor pack_quant_lanes(at::Tensor weight, int64_t type, int64_t in_features
 at::Tensor linear_quant_lanes(at::Tensor x, at::Tensor lanes, int64_t type, int64_t out_features,
                               std::optional<at::Tensor> bias) {
   TORCH_CHECK(quant_lanes_supported(), "linear_quant_lanes: built without AVX2 with FMA and F16C "
-              "(or built for AVX-512, whose block kernel serves one row)");
+              "(or built for AVX-512, which keeps the block kernel's tiles)");
   check_lanes_type("linear_quant_lanes", type);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat,
               "linear_quant_lanes: 2-d float32 x");
