@@ -1,7 +1,7 @@
 """The CPU layouts of a model's linear weights (`_Matmul`'s slots) and the timings that
 choose among them (shards/worker/weight_plan.py decides): weights reordered for oneDNN, a
-second copy for one-row steps (MKL's K x N, or raygen's panels), a GGUF file's blocks for
-raygen's block kernel, bfloat16 weights widened to float32."""
+second copy for small steps (MKL's K x N, raygen's panels, or float32 rows in lanes), a
+GGUF file's blocks for raygen's block kernel, bfloat16 weights widened to float32."""
 
 from __future__ import annotations
 
@@ -30,6 +30,12 @@ PANEL_MAX_ROWS = 256
 # at 2-32; its Q8_0 LM head 0.65-0.88x at 1-6 rows, 0.96-1.05x at 8-16, 0.73-0.82x at 24
 # and 32 (benchmarks/NOTES.md 81).
 LANE_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+# Float weights in the same layout (`_Matmul.quant` of this type, or BF16_KERNEL_TYPE's): a
+# vector of 8 output rows' weights at one position, one FMA per 8 weights. On an AMD EPYC
+# (AVX2, where raygen's panels are not built) SmolLM2's 120 layer products at one row read
+# 20-24 GB/s where oneDNN reads 11 and MKL's K x N copy about as much, and bfloat16 ones 17
+# where the block kernel reads 12 (benchmarks/NOTES.md 83).
+F32_LANES_TYPE = 4
 
 
 def pack_quantized(model: nn.Module, kernels: Any, int8: bool = False) -> dict[str, int]:
@@ -62,6 +68,37 @@ def pack_quantized(model: nn.Module, kernels: Any, int8: bool = False) -> dict[s
         counts[kind] = counts.get(kind, 0) + 1
     drop_gguf_blocks(model)
     return counts
+
+
+def pack_float_lanes(model: nn.Module, kernels: Any) -> int:
+    """Give every float32 linear a copy of its weight laid out with 8 output rows to a
+    vector (`_Matmul.quant`, F32_LANES_TYPE), for the small steps that the start-up timings
+    give it (`set_quant_rows`); before `pack_for_onednn`, which frees the weights. A weight
+    that a GGUF file's blocks will serve, or whose rows are not whole groups of 8 and blocks
+    of 32, gets none. Returns the bytes laid out."""
+    laid_out = 0
+    for m in model.modules():
+        weight = getattr(m, "weight", None)
+        if (not isinstance(m, _Matmul) or weight is None or weight.dtype != torch.float32
+                or weight.dim() != 2 or weight.shape[0] % 8 or weight.shape[1] % 32
+                or hasattr(weight, "gguf_blocks")):
+            continue
+        m.quant = kernels.pack_quant_lanes(weight.detach().contiguous().view(torch.uint8),
+                                           F32_LANES_TYPE, weight.shape[1])
+        m.quant_type, m.quant_kernels, m.quant_lanes = F32_LANES_TYPE, kernels, True
+        m.weight_shape = tuple(weight.shape)
+        laid_out += m.quant.numel()
+    return laid_out
+
+
+def drop_unused_float_lanes(model: nn.Module) -> int:
+    """Free the float32 lanes (`pack_float_lanes`) that no step uses. Returns the bytes."""
+    freed = 0
+    for m in quantized(model):
+        if m.quant_type == F32_LANES_TYPE and m.quant_rows < 1:
+            freed += m.quant.numel()
+            m.quant, m.quant_type, m.quant_kernels, m.quant_lanes = None, -1, None, False
+    return freed
 
 
 def quantize_linears(model: nn.Module, kind: str = "Q8_0") -> int:
@@ -99,7 +136,8 @@ def quantized(model: nn.Module) -> list[_Matmul]:
 def quant_groups(model: nn.Module) -> dict[str, list[_Matmul]]:
     """The linears that have quantization blocks, by kind: weight shape (N x K) and block
     type, so that one group is the same product in every layer (its timing holds for all)."""
-    names = {code: name for name, code in {**KERNEL_TYPES, "BF16": BF16_KERNEL_TYPE}.items()}
+    names = {code: name for name, code in {**KERNEL_TYPES, "BF16": BF16_KERNEL_TYPE,
+                                            "F32": F32_LANES_TYPE}.items()}
     groups: dict[str, list[_Matmul]] = {}
     for m in quantized(model):
         kind = names.get(m.quant_type, str(m.quant_type))
@@ -280,7 +318,8 @@ def pack_for_onednn(model: nn.Module, batch_hint: int = ONEDNN_BATCH_HINT,
     with `panel_kernels` for float32 weights; `_Matmul`). With `weight_dtype` (bfloat16
     for a float32 model) the packed weights take that type, and no copy is made; with
     `block_kernels` too, each bfloat16 weight also serves raygen's block kernel
-    (`_Matmul.quant`, the same tensor viewed as bytes; `set_quant_rows` turns it on).
+    (`_Matmul.quant`, the same tensor viewed as bytes, or laid out again with 8 output rows
+    to a vector where the kernels have that layout; `set_quant_rows` turns it on).
     Without `bf16_products` (a CPU whose oneDNN refuses bfloat16 weights) oneDNN gets the
     bfloat16 values widened to float32. Returns the bytes packed."""
     uses: dict[int, int] = {}
@@ -301,6 +340,10 @@ def pack_for_onednn(model: nn.Module, batch_hint: int = ONEDNN_BATCH_HINT,
                 and weight.shape[1] % 32 == 0):
             module.quant = source.contiguous().view(torch.uint8)
             module.quant_type, module.quant_kernels = BF16_KERNEL_TYPE, block_kernels
+            if weight.shape[0] % 8 == 0 and block_kernels.quant_lanes_supported():
+                module.quant = block_kernels.pack_quant_lanes(module.quant, BF16_KERNEL_TYPE,
+                                                              weight.shape[1])
+                module.quant_lanes = True
         one_row_copy = one_row_copy and weight_dtype is None
         if one_row_copy and panel_kernels is not None and weight.dtype == torch.float32:
             module.panels = panel_kernels.pack_panels(weight.detach())

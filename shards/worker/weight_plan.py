@@ -15,10 +15,13 @@ import torch
 
 from shards.cpu import timings as startup_timings
 from shards.cpu.layouts import (
+    F32_LANES_TYPE,
     PANEL_MAX_ROWS,
     drop_copies_under_blocks,
+    drop_unused_float_lanes,
     linear_weight_bytes,
     onednn_usable,
+    pack_float_lanes,
     pack_for_onednn,
     pack_quantized,
     quant_groups,
@@ -128,7 +131,8 @@ class WeightPlan:
         self.kernels = backend.kernel if isinstance(backend, CpuPagedAttentionBackend) else None
         self.one_row_weights = False  # a second copy of the weights for one-row products
         self.one_row_timings: tuple[float, float] | None = None  # (oneDNN, copy) seconds
-        # The copy's layout ("panels" or "K x N", None without one); with panels, the rows
+        # The copy's layout ("panels", "K x N" or "rows in lanes", None without one; the
+        # lanes are timed and used as the blocks below are); with panels, the rows
         # (from, to) of the steps they serve, and (oneDNN, panels) seconds by rows timed.
         self.weight_copy: str | None = None
         self.panel_rows: tuple[int, int] | None = None
@@ -233,16 +237,22 @@ class WeightPlan:
                             "%.0f MB of KV cache would pass half of the %.0f MB available",
                             copy / 2**20, kv_cache / 2**20, available / 2**20)
         # The copy is cut into panels where raygen's kernels multiply by them: the CPU
-        # attention backend's module (float32), built for AVX-512.
+        # attention backend's module (float32), built for AVX-512; built for AVX2, they
+        # lay it out with 8 output rows to a vector instead, timed as the blocks are.
         kernels = self.kernels
         if kernels is not None and (self.dtype != torch.float32 or not kernels.panels_supported()):
             kernels = None
+        lane_kernels = self.kernels if (
+            self.one_row_weights and kernels is None and self.kernels is not None
+            and self.dtype == torch.float32 and self.kernels.quant_lanes_supported()) else None
         t0 = time.perf_counter()
-        size = pack_for_onednn(self.model, one_row_copy=self.one_row_weights,
+        lanes = pack_float_lanes(self.model, lane_kernels) if lane_kernels is not None else 0
+        size = pack_for_onednn(self.model, one_row_copy=self.one_row_weights and not lanes,
                                panel_kernels=kernels)
-        logger.info("weights reordered for oneDNN: %.0f MB in %.1f s", size / 2**20,
-                    time.perf_counter() - t0)
-        if self.one_row_weights:
+        logger.info("weights reordered for oneDNN: %.0f MB%s in %.1f s", size / 2**20,
+                    f", and {lanes / 2**20:.0f} MB laid out with 8 output rows to a vector"
+                    if lanes else "", time.perf_counter() - t0)
+        if self.one_row_weights and not lanes:
             self._time_weight_copy(panels=kernels is not None)
         quant_kernels = self.kernels
         if (choice == "auto" and self.dtype == torch.float32 and quant_kernels is not None
@@ -250,9 +260,30 @@ class WeightPlan:
             self.quant_int8 = (self.config.quant_products == "int8"
                                and quant_kernels.quant_i8_supported())
             self.quant_types = pack_quantized(self.model, quant_kernels, self.quant_int8)
+            if lanes:
+                float_lanes = sum(m.quant_type == F32_LANES_TYPE for m in quantized(self.model))
+                self.quant_types["F32"] = float_lanes
             if self.quant_types:
                 self._time_quantized()
                 self._drop_copies_under_blocks()
+        if lanes:
+            self._keep_float_lanes()
+
+    def _keep_float_lanes(self) -> None:
+        """The float32 rows in lanes serve the steps the timings gave them; those that serve
+        none are freed, and the copy is named where any serve one-row steps."""
+        freed = drop_unused_float_lanes(self.model)
+        left = sum(m.quant_type == F32_LANES_TYPE for m in quantized(self.model))
+        self.quant_types["F32"] = left
+        if not left:
+            del self.quant_types["F32"]
+        self.quant_rows_by_kind = {kind: rows for kind, rows in self.quant_rows_by_kind.items()
+                                   if rows or not kind.endswith(" F32")}
+        self.quant_rows = min(self.quant_rows_by_kind.values(), default=0)
+        self.one_row_weights = left > 0
+        self.weight_copy = "rows in lanes" if left else None
+        if freed:
+            logger.info("rows in lanes: %.0f MB freed where oneDNN was as fast", freed / 2**20)
 
     def _drop_copies_under_blocks(self) -> None:
         """The weight copy was kept for the steps it serves faster than oneDNN, timed before
@@ -293,7 +324,7 @@ class WeightPlan:
             self.quant_rows_by_kind[kind] = up_to
             logger.info("raygen's block kernel, %d linears of %s (%s): %s: %s", len(linears),
                         kind, "x rounded to int8 blocks, products in integers"
-                        if self.quant_int8 else "x in float32" + (
+                        if linears[0].quant_int8 else "x in float32" + (
                             ", 8 output rows to a vector"
                             if linears[0].quant_lanes else ""),
                         "; ".join(f"{rows} row(s) {a * 1e3:.2f} ms without, {b * 1e3:.2f} "

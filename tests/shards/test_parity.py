@@ -232,10 +232,25 @@ def kernel():
 
 
 @pytest.fixture
-def no_panels(kernel, monkeypatch):
-    """The copy made K x N, as on a CPU without AVX-512 or without a compiler."""
+def no_lanes(kernel, monkeypatch):
+    """The copy made K x N or cut into panels, as on a CPU whose kernels have no float32
+    rows in lanes (AVX-512, or no AVX2 with FMA and F16C)."""
+    if kernel is not None:
+        monkeypatch.setattr(kernel, "quant_lanes_supported", lambda: False)
+
+
+@pytest.fixture
+def no_panels(kernel, monkeypatch, no_lanes):
+    """The copy made K x N, as on a CPU without AVX-512 or AVX2, or without a compiler."""
     if kernel is not None:
         monkeypatch.setattr(kernel, "panels_supported", lambda: False)
+
+
+@pytest.fixture
+def lanes_kernel(kernel):
+    if kernel is None or not kernel.quant_lanes_supported():
+        pytest.skip("float32 rows in lanes need raygen's CPU kernels built for AVX2")
+    return kernel
 
 
 @pytest.fixture
@@ -336,7 +351,7 @@ def test_panel_products_match_transformers(arch, threads, one_row, up_to, llama_
 
 
 def test_a_copy_that_does_not_pay_is_dropped(llama_dir, parity_prompts, keep_torch_threads,
-                                             copy_pays, kernel):
+                                             copy_pays, kernel, no_lanes):
     from shards.model.layers import _Matmul
 
     timed = copy_pays(False)
@@ -352,7 +367,7 @@ def test_a_copy_that_does_not_pay_is_dropped(llama_dir, parity_prompts, keep_tor
 
 
 def test_the_copy_is_kept_only_where_it_is_timed_faster(llama_dir, keep_torch_threads,
-                                                        copy_pays, kernel):
+                                                        copy_pays, kernel, no_lanes):
     import math
 
     from shards.cpu.layouts import time_copy_products
@@ -371,7 +386,7 @@ def test_the_copy_is_kept_only_where_it_is_timed_faster(llama_dir, keep_torch_th
 
 def test_no_one_row_copy_where_it_would_not_leave_half_the_memory(llama_dir, monkeypatch,
                                                                   keep_torch_threads,
-                                                                  copy_pays):
+                                                                  copy_pays, no_lanes):
     """The copy and the KV cache to come must fit in half of MemAvailable: the cache that
     `num_blocks` fixes where set, else the `kv_cache_memory` budget. Runners are built
     without their KV cache here; one with a single copy still serves. (Each copy made
@@ -404,6 +419,70 @@ def test_no_one_row_copy_where_it_would_not_leave_half_the_memory(llama_dir, mon
     prompt = make_prompts(2048, [9], seed=5)[0]
     got = llm.generate([prompt], SamplingParams(max_new_tokens=4))[0].token_ids
     assert got == hf_greedy(llama_dir, prompt, 4)
+
+
+# Steps of 1 to about 350 rows, as above; the lanes serve those of up to `up_to`.
+@pytest.mark.parametrize(("arch", "threads", "up_to"), [
+    ("llama", 1, 32), ("qwen2", 2, 32),  # qwen2: the projections' biases in the kernel
+    ("llama", 2, 4),  # the 8-row timing lost: 5 rows and more through oneDNN
+])
+def test_float32_rows_in_lanes_match_transformers(arch, threads, up_to, llama_dir, qwen2_dir,
+                                                  parity_prompts, keep_torch_threads,
+                                                  monkeypatch, tmp_path, lanes_kernel):
+    """On AVX2 CPUs the float32 copy is laid out with 8 output rows to a vector and timed
+    per kind of linear as a GGUF file's blocks are; the steps it wins take it, with the
+    same greedy tokens as transformers. A weight whose K is no whole blocks of 32 (the tiny
+    model's down projection, K = 176) keeps oneDNN alone."""
+    from shards.cpu import timings as startup_timings
+    from shards.cpu.layouts import F32_LANES_TYPE
+    from shards.model.layers import _Matmul
+    from shards.worker import weight_plan
+
+    monkeypatch.setattr(startup_timings, "directory", lambda: tmp_path)  # none kept before
+    monkeypatch.setattr(weight_plan, "time_quant_products",  # (oneDNN, lanes) seconds
+                        lambda linears, rows, rounds=3: (1.0, 0.5 if rows <= up_to else 1.5))
+    model_dir = llama_dir if arch == "llama" else qwen2_dir
+    llm = LLM(model_dir, num_blocks=256, cpu_threads=threads, device="cpu")
+    weights = llm.runner.weights
+    assert (weights.weight_copy, weights.one_row_weights) == ("rows in lanes", True)
+    assert weights.one_row_timings is None and weights.quant_rows == up_to
+    linears = {name: m for name, m in llm.runner.model.named_modules() if isinstance(m, _Matmul)}
+    for name, m in linears.items():
+        lanes = m.weight_shape[1] % 32 == 0
+        assert (m.quant_type == F32_LANES_TYPE and m.quant_lanes) == lanes, name
+        assert m.quant_rows == (up_to if lanes else 0) and m.transposed is None, name
+    assert weights.quant_types == {"F32": sum(m.quant is not None for m in linears.values())}
+    assert not any(name.endswith("down_proj") for name, m in linears.items() if m.quant_lanes)
+    calls = []
+    product = lanes_kernel.linear_quant_lanes
+    monkeypatch.setattr(lanes_kernel, "linear_quant_lanes",
+                        lambda x, *rest: calls.append(x.shape[0]) or product(x, *rest))
+    got, _ = run_staggered(llm, parity_prompts, PARITY_NEW_TOKENS)
+    # Steps of one row and of more took them, up to the timed bound (16 rows: above 12).
+    assert calls and min(calls) == 1 and {4: 1, 32: 12}[up_to] < max(calls) <= up_to
+    assert got == references(model_dir, parity_prompts, PARITY_NEW_TOKENS)
+
+
+def test_float32_rows_in_lanes_that_lose_are_freed(llama_dir, keep_torch_threads, monkeypatch,
+                                                   tmp_path, lanes_kernel):
+    """Where oneDNN wins every kind's one-row timing the lanes are freed and no copy is
+    named; where memory is short they are never made."""
+    from shards.cpu import timings as startup_timings
+    from shards.model.layers import _Matmul
+    from shards.worker import weight_plan
+
+    monkeypatch.setattr(startup_timings, "directory", lambda: tmp_path)
+    monkeypatch.setattr(weight_plan, "time_quant_products",
+                        lambda linears, rows, rounds=3: (1.0, 1.5))
+    for memory in (None, 1 << 20):
+        if memory is not None:
+            monkeypatch.setattr(weight_plan, "available_memory", lambda: memory)
+        weights = LLM(llama_dir, num_blocks=16, cpu_threads=1, device="cpu").runner.weights
+        assert (weights.weight_copy, weights.one_row_weights) == (None, False)
+        assert (weights.quant_types, weights.quant_rows, weights.quant_blocks()) == ({}, 0, None)
+        assert all(m.quant is None and m.transposed is None
+                   for m in weights.model.modules() if isinstance(m, _Matmul))
+        assert bool(weights.quant_timings) == (memory is None)  # timed, or never made
 
 
 def test_cpu_matmul_refuses_what_it_cannot_do(llama_dir):

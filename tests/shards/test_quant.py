@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from shards.checkpoints.gguf_weights import KERNEL_TYPES
+from shards.checkpoints.gguf_weights import BF16_KERNEL_TYPE, KERNEL_TYPES
 from shards.cpu import kernels as cpu_kernels
+from shards.cpu.layouts import F32_LANES_TYPE
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None or not kernels.quant_supported(),
@@ -75,13 +76,45 @@ def test_products_in_lanes_equal_the_dequantized_weights(kind, n, threads, rows)
 
 
 @lanes
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "threads"), [(40, 1), (200, 2)])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 57])
+def test_float_weights_in_lanes_equal_their_product(dtype, n, threads, rows):
+    """float32 and bfloat16 weights laid out with 8 output rows to a vector (the copy that
+    AVX2 CPUs' small float32 steps take, and the bfloat16 weights' one): the weights' own
+    product up to summation order, every weight where the matrix has it."""
+    kind = F32_LANES_TYPE if dtype == torch.float32 else BF16_KERNEL_TYPE
+    generator = torch.Generator().manual_seed(n + rows)
+    k = 96
+    weight = torch.randn(n, k, generator=generator).to(dtype)
+    packed = kernels.pack_quant_lanes(weight.view(torch.uint8), kind, k)
+    assert packed.numel() == weight.numel() * weight.element_size()
+    x = torch.randn(rows, k, generator=generator)
+    bias = torch.randn(n, generator=generator)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernels.linear_quant_lanes(x, packed, kind, n, bias)
+        eye = torch.eye(k)
+        columns = torch.cat([kernels.linear_quant_lanes(eye[j:j + rows], packed, kind, n, None).T
+                             for j in range(0, k, rows)], dim=1)[:, :k]
+    finally:
+        torch.set_num_threads(saved)
+    want = (x.double() @ weight.double().T + bias.double()).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert torch.equal(columns, weight.float())
+
+
+@lanes
 def test_rows_in_lanes_refuse_what_they_cannot_lay_out():
     blocks = torch.from_numpy(gguf.quants.quantize(np.ones((12, 64), np.float32),
                                                    gguf.GGMLQuantizationType.Q4_1))
     with pytest.raises(RuntimeError, match="12 rows are not whole groups of 8"):
         kernels.pack_quant_lanes(blocks, KERNEL_TYPES["Q4_1"], 64)
-    with pytest.raises(RuntimeError, match="Q4_0 \\(0\\), Q4_1 \\(1\\) and Q8_0 \\(2\\) only"):
-        kernels.pack_quant_lanes(torch.zeros(8, 128, dtype=torch.uint8), 3, 64)
+    with pytest.raises(RuntimeError, match="BF16 \\(3\\) and F32 \\(4\\) only, not type 5"):
+        kernels.pack_quant_lanes(torch.zeros(8, 128, dtype=torch.uint8), 5, 64)
+    with pytest.raises(RuntimeError, match="is not rows of 2 blocks"):  # 64 floats are 256 bytes
+        kernels.pack_quant_lanes(torch.zeros(8, 128, dtype=torch.uint8), 4, 64)
     packed = kernels.pack_quant_lanes(blocks[:8].contiguous(), KERNEL_TYPES["Q4_1"], 64)
     with pytest.raises(RuntimeError, match="2-d float32 x"):
         kernels.linear_quant_lanes(torch.zeros(64), packed, KERNEL_TYPES["Q4_1"], 8, None)

@@ -457,6 +457,12 @@ def kept_one_row_copy_where_it_paid(placement: dict) -> bool:
 
     timings, panel_timings = placement["one_row_timings"], placement["panel_timings"]
     one_row = placement["one_row_weights"]
+    lanes = (placement["quant_types"] or {}).get("F32", 0)
+    if timings is None and placement["panel_rows"] is None:
+        # Rows in lanes (AVX2 kernels), timed as a GGUF file's blocks are: named where
+        # some linear kept them, and then one-row steps (the smallest timed) use them.
+        return (placement["weight_copy"], one_row) == (("rows in lanes", True) if lanes
+                                                       else (None, False))
     if timings is None or one_row != one_row_copy_pays(*timings):
         return False
     if panel_timings is None:  # the K x N copy: one-row steps only

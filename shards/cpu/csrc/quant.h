@@ -20,7 +20,9 @@
 
 namespace {
 
-enum QuantType : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kBF16 = 3 };
+// kF32: float32 weights, laid out in rows in lanes only (quant_lanes.cpp); the block
+// kernels refuse it (block_bytes 0).
+enum QuantType : int64_t { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kBF16 = 3, kF32 = 4 };
 constexpr int64_t kBlock = 32;     // weights per block
 constexpr int64_t kTaskRows = 16;  // output rows per claimed task
 

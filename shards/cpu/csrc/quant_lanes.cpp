@@ -20,6 +20,10 @@
 // product up to rounding. SmolLM2's Q4_1 layer products take 0.64x the block kernel's time
 // at 1 row and 0.70-0.78x at 2-8 (benchmarks/NOTES.md 81).
 //
+// Float weights take the same layout with no scales: bfloat16 (the upper half of a float32,
+// shifted into place) and float32 (a copy that AVX2 CPUs keep for their small float32 steps;
+// oneDNN reads a weight past one row at about half the rate these do, benchmarks/NOTES.md 83).
+//
 // Threads take contiguous ranges of 16 output rows and claim within them in order, so that
 // each thread streams its weights front to back (claims handed out in turn cut each
 // thread's stream into pieces that the hardware prefetcher starts over: 7.8 against 5.4 ms
@@ -39,17 +43,50 @@ namespace {
 constexpr int64_t kLanes = 8;  // output rows per group (AVX2's floats per vector)
 constexpr int kMaxTileRows = 8;  // rows of x per pass over the weights
 
-// Bytes of one block of a group of 8 rows: the quants, then 8 fp16 d (and for Q4_1 8 fp16 m).
-int64_t lane_block_bytes(int64_t type) {
+// Bytes of one block of a group of 8 rows: the quants, then 8 fp16 d (and for Q4_1 8 fp16 m);
+// for float weights (bfloat16, float32) the 32 positions' 8 rows, position by position.
+constexpr int64_t lane_block_bytes(int64_t type) {
   switch (type) {
     case kQ4_0: return 128 + 16;
     case kQ4_1: return 128 + 32;
     case kQ8_0: return 256 + 16;
+    case kBF16: return 32 * 8 * 2;
+    case kF32: return 32 * 8 * 4;
     default: return 0;
   }
 }
 
+// Bytes of one block of one row as pack_quant_lanes takes them: a GGUF block, or 32 floats.
+int64_t source_block_bytes(int64_t type) { return type == kF32 ? 32 * 4 : block_bytes(type); }
+
+constexpr bool is_float(int64_t type) { return type == kBF16 || type == kF32; }
+
 #if defined(RAYGEN_QUANT_LANES)
+
+// Blocks of a group asked for ahead of the one in use, about 1-2 KB: 8 of Q4_1's 160 bytes, 2 of
+// float32's 1024 (one row at 2 threads read 22-24 GB/s with 1-4 KB, ~21 with 2 KB and
+// no prefetch on bfloat16; benchmarks/NOTES.md 83).
+template <int64_t T>
+constexpr int64_t blocks_ahead() {
+  return T == kF32 ? 2 : T == kBF16 ? 4 : 8;
+}
+
+// The weights of position k of a float block for the group's 8 rows (bfloat16: the upper half
+// of a float32, shifted into place).
+template <int64_t T>
+inline __m256 float_lanes(const uint8_t* blk, int k) {
+  if constexpr (T == kF32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 8 * k);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * k));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+
+inline void prefetch_block(const uint8_t* blk, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(blk + line), _MM_HINT_T0);
+}
 
 inline __m256 sum8(const __m256 (&a)[8]) {
   return _mm256_add_ps(_mm256_add_ps(_mm256_add_ps(a[0], a[1]), _mm256_add_ps(a[2], a[3])),
@@ -60,14 +97,14 @@ inline __m256 sum8(const __m256 (&a)[8]) {
 // block b (the min term of Q4 blocks).
 template <int64_t T>
 inline __m256 group_dot(const float* x, const float* xsum, int64_t nb, const uint8_t* w) {
-  constexpr int64_t bytes = T == kQ4_0 ? 144 : T == kQ4_1 ? 160 : 272;
+  constexpr int64_t bytes = lane_block_bytes(T);
   constexpr int64_t quants = T == kQ8_0 ? 256 : 128;
+  static_assert(!is_float(T), "float weights take group_dot_rows: no scales per block");
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * bytes;
     // Sequential within a thread's range: ask for the block 8 ahead (its lines).
-    for (int64_t line = 0; line < bytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * bytes + line), _MM_HINT_T0);
+    prefetch_block(blk + blocks_ahead<T>() * bytes, bytes);
     const float* xb = x + b * kBlock;
     __m256 a[8];
     for (auto& v : a) v = _mm256_setzero_ps();
@@ -126,7 +163,7 @@ inline __m256 group_dot(const float* x, const float* xsum, int64_t nb, const uin
 template <int64_t T, int MR>
 inline void group_dot_rows(const float* x, int64_t K, int64_t nb, const uint8_t* w,
                            __m256 (&y)[MR]) {
-  constexpr int64_t bytes = T == kQ4_0 ? 144 : T == kQ4_1 ? 160 : 272;
+  constexpr int64_t bytes = lane_block_bytes(T);
   constexpr int64_t quants = T == kQ8_0 ? 256 : 128;
   constexpr int A = MR <= 2 ? 4 : MR <= 5 ? 2 : 1;
   __m256 acc[MR][A];
@@ -134,17 +171,21 @@ inline void group_dot_rows(const float* x, int64_t K, int64_t nb, const uint8_t*
     for (auto& a : row) a = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * bytes;
-    for (int64_t line = 0; line < bytes; line += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(blk + 8 * bytes + line), _MM_HINT_T0);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants)));
-    const __m256 m = T == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(
-                                      reinterpret_cast<const __m128i*>(blk + quants + 16)))
-                                : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));  // Q4_0
+    prefetch_block(blk + blocks_ahead<T>() * bytes, bytes);
     const float* xb = x + b * kBlock;
     const auto use = [&](int k, __m256 wk) {
       for (int r = 0; r < MR; ++r)
         acc[r][k % A] = _mm256_fmadd_ps(_mm256_broadcast_ss(xb + r * K + k), wk, acc[r][k % A]);
     };
+    if constexpr (is_float(T)) {
+#pragma GCC unroll 32
+      for (int k = 0; k < 32; ++k) use(k, float_lanes<T>(blk, k));
+      continue;
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants)));
+    const __m256 m = T == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                      reinterpret_cast<const __m128i*>(blk + quants + 16)))
+                                : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));  // Q4_0
     if constexpr (T == kQ8_0) {
 #pragma GCC unroll 32
       for (int k = 0; k < 32; ++k) {
@@ -178,7 +219,7 @@ void lanes_tile(const float* x, int64_t K, const float* xsum, const uint8_t* w, 
   const int64_t nb = K / kBlock, group_bytes = nb * lane_block_bytes(T);
   for (int64_t g = g0; g < g1; ++g) {
     __m256 y[MR];
-    if constexpr (MR == 1) {
+    if constexpr (MR == 1 && !is_float(T)) {
       if (xsum != nullptr)  // a step of one row
         y[0] = group_dot<T>(x, xsum, nb, w + g * group_bytes);
       else  // the last tile of a bigger step (57 = 7 x 8 + 1)
@@ -197,7 +238,7 @@ template <int64_t T>
 void lanes_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                    const float* bias, float* out) {
   const int64_t nb = K / kBlock;
-  std::vector<float> xsum(M == 1 ? nb : 0, 0.0f);  // one row: the min term per block
+  std::vector<float> xsum(M == 1 && !is_float(T) ? nb : 0, 0.0f);  // one row, Q4: the min term per block
   for (int64_t b = 0; b < static_cast<int64_t>(xsum.size()); ++b)
     for (int64_t j = 0; j < kBlock; ++j) xsum[b] += x[b * kBlock + j];
   const int64_t tiles = (M + kMaxTileRows - 1) / kMaxTileRows, per_tile = (M + tiles - 1) / tiles;
@@ -207,7 +248,7 @@ void lanes_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
     const int64_t g0 = task * per_task, g1 = std::min(groups, g0 + per_task);
     for (int64_t r = 0; r < M; r += per_tile)
       with_rows<kMaxTileRows>(static_cast<int>(std::min(per_tile, M - r)), [&](auto mr) {
-        lanes_tile<T, decltype(mr)::value>(x + r * K, K, M == 1 ? xsum.data() : nullptr, w, N,
+        lanes_tile<T, decltype(mr)::value>(x + r * K, K, M == 1 && !is_float(T) ? xsum.data() : nullptr, w, N,
                                            bias, out + r * N, g0, g1);
       });
   });
@@ -216,8 +257,8 @@ void lanes_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
 #endif  // RAYGEN_QUANT_LANES
 
 void check_lanes_type(const char* name, int64_t type) {
-  TORCH_CHECK(lane_block_bytes(type) > 0, name, ": rows in lanes for Q4_0 (0), Q4_1 (1) and "
-              "Q8_0 (2) only, not type ", type);
+  TORCH_CHECK(lane_block_bytes(type) > 0, name, ": rows in lanes for Q4_0 (0), Q4_1 (1), "
+              "Q8_0 (2), BF16 (3) and F32 (4) only, not type ", type);
 }
 
 }  // namespace
@@ -232,7 +273,7 @@ bool quant_lanes_supported() {
 
 at::Tensor pack_quant_lanes(at::Tensor weight, int64_t type, int64_t in_features) {
   check_lanes_type("pack_quant_lanes", type);
-  const int64_t N = weight.size(0), nb = in_features / kBlock, src = block_bytes(type);
+  const int64_t N = weight.size(0), nb = in_features / kBlock, src = source_block_bytes(type);
   TORCH_CHECK(in_features % kBlock == 0 && weight.dim() == 2 && weight.scalar_type() == at::kByte &&
                   weight.is_contiguous() && weight.size(1) == nb * src,
               "pack_quant_lanes: weight ", weight.sizes(), " is not rows of ", nb, " blocks");
@@ -247,6 +288,11 @@ at::Tensor pack_quant_lanes(at::Tensor weight, int64_t type, int64_t in_features
         uint8_t* ob = o + (g * nb + b) * dst;
         for (int64_t r = 0; r < kLanes; ++r) {
           const uint8_t* blk = w + (g * kLanes + r) * nb * src + b * src;
+          if (is_float(type)) {  // position k of row r at 8 k + r
+            const int64_t size = type == kF32 ? 4 : 2;
+            for (int k = 0; k < 32; ++k) std::memcpy(ob + (8 * k + r) * size, blk + k * size, size);
+            continue;
+          }
           std::memcpy(ob + quants + 2 * r, blk, 2);  // d
           if (type == kQ8_0) {
             for (int k = 0; k < 32; ++k) ob[8 * k + r] = blk[2 + k];
@@ -297,7 +343,9 @@ at::Tensor linear_quant_lanes(at::Tensor x, at::Tensor lanes, int64_t type, int6
   switch (type) {
     case kQ4_0: run(std::integral_constant<int64_t, kQ4_0>{}); break;
     case kQ4_1: run(std::integral_constant<int64_t, kQ4_1>{}); break;
-    default: run(std::integral_constant<int64_t, kQ8_0>{}); break;
+    case kQ8_0: run(std::integral_constant<int64_t, kQ8_0>{}); break;
+    case kBF16: run(std::integral_constant<int64_t, kBF16>{}); break;
+    default: run(std::integral_constant<int64_t, kF32>{}); break;
   }
 #endif
   return out;
