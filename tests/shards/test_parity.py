@@ -476,7 +476,7 @@ def test_float32_rows_in_lanes_that_lose_are_freed(llama_dir, keep_torch_threads
                         lambda linears, rows, rounds=3: (1.0, 1.5))
     for memory in (None, 1 << 20):
         if memory is not None:
-            monkeypatch.setattr(weight_plan, "available_memory", lambda: memory)
+            monkeypatch.setattr(weight_plan, "available_memory", lambda m=memory: m)
         weights = LLM(llama_dir, num_blocks=16, cpu_threads=1, device="cpu").runner.weights
         assert (weights.weight_copy, weights.one_row_weights) == (None, False)
         assert (weights.quant_types, weights.quant_rows, weights.quant_blocks()) == ({}, 0, None)
