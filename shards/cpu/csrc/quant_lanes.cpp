@@ -63,9 +63,9 @@ constexpr bool is_float(int64_t type) { return type == kBF16 || type == kF32; }
 
 #if defined(RAYGEN_QUANT_LANES)
 
-// Blocks of a group asked for ahead of the one in use, about 1-2 KB: 8 of Q4_1's 160 bytes, 2 of
-// float32's 1024 (one row at 2 threads read 22-24 GB/s with 1-4 KB, ~21 with 2 KB and
-// no prefetch on bfloat16; benchmarks/NOTES.md 83).
+// Blocks of a group asked for ahead of the one in use, 1-2 KB: 8 of Q4_1's 160 bytes, 4 of
+// bfloat16's 512, 2 of float32's 1024. Float weights at 2 threads read 22-25 GB/s at one
+// row with or without; at 4 rows 19-20 GB/s with, 16-18 without (benchmarks/NOTES.md 83).
 template <int64_t T>
 constexpr int64_t blocks_ahead() {
   return T == kF32 ? 2 : T == kBF16 ? 4 : 8;
@@ -238,9 +238,11 @@ template <int64_t T>
 void lanes_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                    const float* bias, float* out) {
   const int64_t nb = K / kBlock;
-  std::vector<float> xsum(M == 1 && !is_float(T) ? nb : 0, 0.0f);  // one row, Q4: the min term per block
+  // One row: the min term per block (Q4 blocks only; Q8 and float weights have none).
+  std::vector<float> xsum(M == 1 && !is_float(T) ? nb : 0, 0.0f);
   for (int64_t b = 0; b < static_cast<int64_t>(xsum.size()); ++b)
     for (int64_t j = 0; j < kBlock; ++j) xsum[b] += x[b * kBlock + j];
+  const float* one_row_sums = M == 1 && !is_float(T) ? xsum.data() : nullptr;
   const int64_t tiles = (M + kMaxTileRows - 1) / kMaxTileRows, per_tile = (M + tiles - 1) / tiles;
   constexpr int64_t per_task = kTaskRows / kLanes;
   const int64_t groups = N / kLanes;
@@ -248,8 +250,8 @@ void lanes_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
     const int64_t g0 = task * per_task, g1 = std::min(groups, g0 + per_task);
     for (int64_t r = 0; r < M; r += per_tile)
       with_rows<kMaxTileRows>(static_cast<int>(std::min(per_tile, M - r)), [&](auto mr) {
-        lanes_tile<T, decltype(mr)::value>(x + r * K, K, M == 1 && !is_float(T) ? xsum.data() : nullptr, w, N,
-                                           bias, out + r * N, g0, g1);
+        lanes_tile<T, decltype(mr)::value>(x + r * K, K, one_row_sums, w, N, bias, out + r * N,
+                                           g0, g1);
       });
   });
 }
