@@ -280,4 +280,5 @@ class ShardActor:
             # A GGUF file's quantized blocks: linears by type, and the steps that use them.
             "quant_types": self.runner.weights.quant_types if self.runner else None,
             "quant_rows": self.runner.weights.quant_rows if self.runner else None,
+            "lane_rows": self.runner.weights.lane_rows_by_kind if self.runner else None,
         }

@@ -160,7 +160,8 @@ class ModelRunner:
     def compute_path(self) -> dict:
         """How this rank computes (for /info and the logs): the device, the dtype the
         weights are multiplied in, the activations', the attention backend, and a GGUF
-        file's blocks (linears by type, the steps that use them, x in float32 or int8)."""
+        file's blocks (linears by type, the steps that use them, x in float32 or int8), and
+        the weight copy's layout."""
         return {
             "device": self.device.type,
             "weight_dtype": str(self.weight_dtype).removeprefix("torch."),
@@ -168,6 +169,9 @@ class ModelRunner:
             "attention_backend": self.backend.name,
             "kv_cache_dtype": str(self.kv_dtype).removeprefix("torch."),
             "quant_blocks": self.weights.quant_blocks(),
+            # A second copy of the weights for small steps, as timed at start-up ("rows in
+            # lanes", "panels", "K x N", "float32, widened from bfloat16"), or None.
+            "weight_copy": self.weights.weight_copy,
         }
 
     # -- KV cache ----------------------------------------------------------------------

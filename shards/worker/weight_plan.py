@@ -145,6 +145,9 @@ class WeightPlan:
         self.quant_types: dict[str, int] = {}
         self.quant_int8 = False  # the blocks multiply x rounded to int8 (quant_products)
         self.quant_timings: dict[str, dict[int, tuple[float, float]]] = {}
+        # float32 rows in lanes (the copy on AVX2): by kind of linear, the steps of up to
+        # that many rows that use them; their timings are in `quant_timings`.
+        self.lane_rows_by_kind: dict[str, int] = {}
         self.bf16_timings: tuple[float, float] | None = None  # (bf16, widened) at 128 rows
         self.timings_read = {True: 0, False: 0}  # start-up timings read from disk, or timed
         self.matmul = self._pack(config.cpu_matmul)
@@ -159,7 +162,8 @@ class WeightPlan:
         rows to a vector (`_Matmul.quant_lanes`)."""
         if not self.quant_types:
             return None
-        lanes = [m for m in quantized(self.model) if m.quant_lanes]
+        lanes = [m for m in quantized(self.model)
+                 if m.quant_lanes and m.quant_type != F32_LANES_TYPE]
         return {"types": self.quant_types, "steps_up_to_rows": self.quant_rows,
                 "steps_up_to_rows_by_linear": self.quant_rows_by_kind,
                 "x": "int8" if self.quant_int8 else "float32",
@@ -260,28 +264,24 @@ class WeightPlan:
             self.quant_int8 = (self.config.quant_products == "int8"
                                and quant_kernels.quant_i8_supported())
             self.quant_types = pack_quantized(self.model, quant_kernels, self.quant_int8)
-            if lanes:
-                float_lanes = sum(m.quant_type == F32_LANES_TYPE for m in quantized(self.model))
-                self.quant_types["F32"] = float_lanes
-            if self.quant_types:
-                self._time_quantized()
-                self._drop_copies_under_blocks()
+        if self.quant_types or lanes:
+            self._time_quantized()
+        if self.quant_types:
+            self._drop_copies_under_blocks()
         if lanes:
             self._keep_float_lanes()
 
     def _keep_float_lanes(self) -> None:
-        """The float32 rows in lanes serve the steps the timings gave them; those that serve
-        none are freed, and the copy is named where any serve one-row steps."""
+        """The float32 rows in lanes serve the steps the timings gave them (timed with a GGUF
+        file's blocks, counted apart from them here); those that serve none are freed, and
+        the copy is named where any are left: each serves one-row steps at least."""
         freed = drop_unused_float_lanes(self.model)
-        left = sum(m.quant_type == F32_LANES_TYPE for m in quantized(self.model))
-        self.quant_types["F32"] = left
-        if not left:
-            del self.quant_types["F32"]
-        self.quant_rows_by_kind = {kind: rows for kind, rows in self.quant_rows_by_kind.items()
-                                   if rows or not kind.endswith(" F32")}
+        floats = [kind for kind in self.quant_rows_by_kind if kind.endswith(" F32")]
+        rows = {kind: self.quant_rows_by_kind.pop(kind) for kind in floats}
+        self.lane_rows_by_kind = {kind: up_to for kind, up_to in rows.items() if up_to}
         self.quant_rows = min(self.quant_rows_by_kind.values(), default=0)
-        self.one_row_weights = left > 0
-        self.weight_copy = "rows in lanes" if left else None
+        self.one_row_weights = bool(self.lane_rows_by_kind)
+        self.weight_copy = "rows in lanes" if self.one_row_weights else None
         if freed:
             logger.info("rows in lanes: %.0f MB freed where oneDNN was as fast", freed / 2**20)
 

@@ -445,13 +445,17 @@ def test_float32_rows_in_lanes_match_transformers(arch, threads, up_to, llama_di
     llm = LLM(model_dir, num_blocks=256, cpu_threads=threads, device="cpu")
     weights = llm.runner.weights
     assert (weights.weight_copy, weights.one_row_weights) == ("rows in lanes", True)
-    assert weights.one_row_timings is None and weights.quant_rows == up_to
+    assert weights.one_row_timings is None and set(weights.lane_rows_by_kind.values()) == {up_to}
+    # Not a GGUF file's blocks: /info's quant_blocks stays empty, its weight copy names them.
+    assert (weights.quant_types, weights.quant_rows, weights.quant_blocks()) == ({}, 0, None)
+    assert llm.runner.compute_path()["weight_copy"] == "rows in lanes"
     linears = {name: m for name, m in llm.runner.model.named_modules() if isinstance(m, _Matmul)}
     for name, m in linears.items():
         lanes = m.weight_shape[1] % 32 == 0
         assert (m.quant_type == F32_LANES_TYPE and m.quant_lanes) == lanes, name
         assert m.quant_rows == (up_to if lanes else 0) and m.transposed is None, name
-    assert weights.quant_types == {"F32": sum(m.quant is not None for m in linears.values())}
+    assert len(weights.lane_rows_by_kind) == len({m.weight_shape for m in linears.values()
+                                                  if m.quant is not None})
     assert not any(name.endswith("down_proj") for name, m in linears.items() if m.quant_lanes)
     calls = []
     product = lanes_kernel.linear_quant_lanes
@@ -480,6 +484,7 @@ def test_float32_rows_in_lanes_that_lose_are_freed(llama_dir, keep_torch_threads
         weights = LLM(llama_dir, num_blocks=16, cpu_threads=1, device="cpu").runner.weights
         assert (weights.weight_copy, weights.one_row_weights) == (None, False)
         assert (weights.quant_types, weights.quant_rows, weights.quant_blocks()) == ({}, 0, None)
+        assert weights.lane_rows_by_kind == {}
         assert all(m.quant is None and m.transposed is None
                    for m in weights.model.modules() if isinstance(m, _Matmul))
         assert bool(weights.quant_timings) == (memory is None)  # timed, or never made

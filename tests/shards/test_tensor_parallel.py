@@ -457,12 +457,13 @@ def kept_one_row_copy_where_it_paid(placement: dict) -> bool:
 
     timings, panel_timings = placement["one_row_timings"], placement["panel_timings"]
     one_row = placement["one_row_weights"]
-    lanes = (placement["quant_types"] or {}).get("F32", 0)
+    lanes = placement["lane_rows"]
     if timings is None and placement["panel_rows"] is None:
         # Rows in lanes (AVX2 kernels), timed as a GGUF file's blocks are: named where
-        # some linear kept them, and then one-row steps (the smallest timed) use them.
+        # some kind of linear kept them, each for one-row steps at least.
         return (placement["weight_copy"], one_row) == (("rows in lanes", True) if lanes
-                                                       else (None, False))
+                                                       else (None, False)) \
+            and all(rows >= 1 for rows in lanes.values())
     if timings is None or one_row != one_row_copy_pays(*timings):
         return False
     if panel_timings is None:  # the K x N copy: one-row steps only
