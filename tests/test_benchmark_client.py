@@ -1,0 +1,73 @@
+"""The benchmarks' HTTP client (benchmarks/serve.py) against a scripted server: a request
+that a closed connection fails before any response is sent again once; one whose
+response breaks off is a failure, never sent twice."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from benchmarks.serve import send
+
+EVENTS = [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
+          {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 3}}]
+
+
+def _body(events: list[dict]) -> bytes:
+    return b"".join(f"data: {json.dumps(e)}\n\n".encode() for e in events) + b"data: [DONE]\n\n"
+
+
+async def _read_request(reader: asyncio.StreamReader) -> None:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    await reader.readexactly(length)
+
+
+async def _serve(script: list[str], prompt: list[int]) -> tuple[object, int]:
+    """Each connection does what the script's next entry says: `close` (read the request,
+    answer nothing), `answer` (the whole stream) or `break` (headers and one event, then
+    gone). Returns send()'s result and the number of connections made."""
+    connections = 0
+
+    async def handle(reader, writer):
+        nonlocal connections
+        what = script[min(connections, len(script) - 1)]
+        connections += 1
+        await _read_request(reader)
+        if what == "answer":
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"connection: close\r\n\r\n" + _body(EVENTS))
+        elif what == "break":
+            chunk = _body(EVENTS[:1])
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                         b"transfer-encoding: chunked\r\n\r\n"
+                         + f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server, httpx.AsyncClient(timeout=10) as client:
+        result = await send(client, f"http://127.0.0.1:{port}", "openai", "m", prompt, 2,
+                            True, "")
+    return result, connections
+
+
+@pytest.mark.parametrize(("script", "connections", "success"), [
+    (["answer"], 1, True),
+    (["close", "answer"], 2, True),  # the stale connection's request, sent again
+    (["close", "close"], 2, False),  # once only
+    (["break", "answer"], 1, False),  # it began: not sent again
+])
+def test_a_request_goes_again_only_where_nothing_was_answered(script, connections, success):
+    result, made = asyncio.run(_serve(script, [1, 2, 3]))
+    assert (made, result.success) == (connections, success), result.error
+    if success:
+        assert (result.output_tokens, result.prompt_len) == (2, 3)
+        assert result.ttft > 0 and len(result.itl) == 1
+    else:
+        assert "RemoteProtocolError" in result.error
