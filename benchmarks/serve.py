@@ -130,46 +130,51 @@ async def sse_events(response: httpx.Response) -> AsyncIterator[dict]:
         yield event
 
 
+async def post_stream(client: httpx.AsyncClient, url: str, body: dict) -> httpx.Response:
+    """POST `body` and return the response with its body unread (close it after reading).
+    A kept-alive connection that the server closed after its last answer fails the next
+    request before any response (llama.cpp's server does, about one request in ten).
+    Nothing ran: the request goes again once, on a new connection, as the openai client
+    retries it. A response that breaks off once begun is the caller's failure."""
+    try:
+        return await client.send(client.build_request("POST", url, json=body), stream=True)
+    except httpx.RemoteProtocolError:
+        return await client.send(client.build_request("POST", url, json=body), stream=True)
+
+
 async def send(client: httpx.AsyncClient, url: str, backend: str, model: str,
                prompt: list[int] | str, output_len: int, ignore_eos: bool,
                text: str) -> RequestResult:
     path, body = _payload(backend, model, prompt, output_len, ignore_eos, text)
     result = RequestResult(prompt_len=len(prompt) if isinstance(prompt, list) else 0)
-    # A kept-alive connection that the server closed after its last answer fails the next
-    # request before any response (llama.cpp's server does, about one request in ten).
-    # Nothing ran: the request goes again once, on a new connection, as the openai client
-    # retries it; a response that breaks off once begun is a failure.
-    for attempt in (1, 2):
-        answered = False
-        start = last = time.perf_counter()
+    start = last = time.perf_counter()
+    try:
+        r = await post_stream(client, url + path, body)
         try:
-            async with client.stream("POST", url + path, json=body) as r:
-                answered = True
-                async for event in sse_events(r):
-                    now = time.perf_counter()
-                    produced = _tokens_in(backend, event)
-                    if produced:
-                        if result.ttft == 0.0:
-                            result.ttft = now - start
-                        else:
-                            result.itl.append(now - last)
-                        last = now
-                        if backend == "tgi":
-                            result.output_tokens += produced
-                    usage = event.get("usage")
-                    if usage:
-                        result.output_tokens = usage["completion_tokens"]
-                        result.prompt_len = usage.get("prompt_tokens", result.prompt_len)
-            result.latency = time.perf_counter() - start
-            result.success = result.output_tokens > 0
-        except StreamError as exc:
-            result.error = str(exc)
-        except (httpx.HTTPError, json.JSONDecodeError) as exc:
-            if attempt == 1 and not answered and isinstance(exc, httpx.RemoteProtocolError):
-                continue
-            result.error = f"{type(exc).__name__}: {exc}"
-        return result
-    raise AssertionError("unreachable")
+            async for event in sse_events(r):
+                now = time.perf_counter()
+                produced = _tokens_in(backend, event)
+                if produced:
+                    if result.ttft == 0.0:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    if backend == "tgi":
+                        result.output_tokens += produced
+                usage = event.get("usage")
+                if usage:
+                    result.output_tokens = usage["completion_tokens"]
+                    result.prompt_len = usage.get("prompt_tokens", result.prompt_len)
+        finally:
+            await r.aclose()
+        result.latency = time.perf_counter() - start
+        result.success = result.output_tokens > 0
+    except StreamError as exc:
+        result.error = str(exc)
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
 
 
 def _tokens_in(backend: str, event: dict) -> int:

@@ -4,9 +4,10 @@
 
 Starts raygen (`serve run`, the builder's defaults) once per setting and sends the same
 requests to each, greedy, through `/v1/chat/completions`:
-- `grounded`: answers that copy their input (repeat a paragraph, fix its typos, add type
-  hints to a function), at the concurrencies of `--grounded-concurrency`; the paragraphs
-  and functions are this repository's own docstrings and code, so the text is real;
+- `grounded`: answers that copy their input (repeat a paragraph, fix its typos, write a
+  function out with a docstring), at the concurrencies of `--grounded-concurrency`; the
+  paragraphs and functions are this repository's own docstrings and code, so the text is
+  real, frozen in grounded_corpus.json so that runs on later code send the same prompts;
 - `free`: answers that copy nothing (random words in, `ignore_eos`), at
   `--free-concurrency`: what speculation may cost when it does not pay.
 Reports output tokens/s per cell, the ratio to `speculate=0`, the acceptance counters from
@@ -32,13 +33,18 @@ from pathlib import Path
 import httpx
 
 from benchmarks import compare
+from benchmarks.serve import post_stream
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ["engine", "deployments", "shards/worker", "shards/model"]
+# The grounded prompts' texts, frozen: drawn from the sources as they stand, the prompts
+# (and so every grounded cell) changed with the code. Written by `--write-corpus` from the
+# sources at cfb8e95 (30 Nov 2026): the prompts of benchmarks/NOTES.md 85.
+CORPUS = Path(__file__).with_name("grounded_corpus.json")
 
 
-def grounded_prompts(n: int, seed: int = 0) -> list[str]:
-    """Input-grounded tasks over real text: this repository's docstrings and functions."""
+def corpus_from_sources() -> dict[str, list[str]]:
+    """Real text to copy: this repository's module docstrings and short functions."""
     paragraphs, functions = [], []
     for folder in SOURCES:
         for path in sorted((ROOT / folder).glob("*.py")):
@@ -51,6 +57,14 @@ def grounded_prompts(n: int, seed: int = 0) -> list[str]:
                 if isinstance(node, ast.FunctionDef) and 4 <= node.end_lineno - node.lineno <= 14:
                     functions.append(textwrap.dedent(
                         ast.get_source_segment(source, node, padded=True)))
+    return {"paragraphs": paragraphs, "functions": functions}
+
+
+def grounded_prompts(n: int, seed: int = 0) -> list[str]:
+    """Input-grounded tasks over real text: repeat a paragraph, fix its typos, write a
+    function out with a docstring (the texts of CORPUS)."""
+    corpus = json.loads(CORPUS.read_text())
+    paragraphs, functions = corpus["paragraphs"], corpus["functions"]
     rng = random.Random(seed)
     prompts = []
     for i in range(n):
@@ -88,7 +102,11 @@ async def one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: in
             "max_tokens": max_tokens, "temperature": 0}
     if ignore_eos:
         body["ignore_eos"] = True
-    r = await client.post("/v1/chat/completions", json=body)
+    r = await post_stream(client, "/v1/chat/completions", body)
+    try:
+        await r.aread()
+    finally:
+        await r.aclose()
     r.raise_for_status()
     data = r.json()
     return data["choices"][0]["message"]["content"], data["usage"]["completion_tokens"]
@@ -145,6 +163,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "in turn forward and backward (a machine that drifts during a run favours "
                    "whichever server goes first); each cell's tok/s is the mean of its passes")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--write-corpus", action="store_true", help=f"write {CORPUS.name} from "
+                   "the sources as they are now, and stop (the grounded prompts change)")
     return p.parse_args(argv)
 
 
@@ -187,6 +207,10 @@ def merge_passes(passes: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.write_corpus:
+        CORPUS.write_text(json.dumps(corpus_from_sources(), indent=0) + "\n")
+        print(f"written: {CORPUS}")
+        return {}
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = [("grounded", int(c)) for c in args.grounded_concurrency.split(",") if c] + \

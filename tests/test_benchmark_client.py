@@ -1,6 +1,6 @@
-"""The benchmarks' HTTP client (benchmarks/serve.py) against a scripted server: a request
-that a closed connection fails before any response is sent again once; one whose
-response breaks off is a failure, never sent twice."""
+"""The benchmarks' HTTP clients (benchmarks/serve.py, benchmarks/speculation.py) against a
+scripted server: a request that a closed connection fails before any response is sent
+again once; one whose response breaks off is a failure, never sent twice."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from benchmarks.serve import send
+from benchmarks.speculation import one
 
 EVENTS = [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]},
           {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 3}}]
@@ -27,10 +28,12 @@ async def _read_request(reader: asyncio.StreamReader) -> None:
     await reader.readexactly(length)
 
 
-async def _serve(script: list[str], prompt: list[int]) -> tuple[object, int]:
+async def _serve(script: list[str], call, answer: bytes = _body(EVENTS),
+                 kind: bytes = b"text/event-stream") -> tuple[object, int]:
     """Each connection does what the script's next entry says: `close` (read the request,
-    answer nothing), `answer` (the whole stream) or `break` (headers and one event, then
-    gone). Returns send()'s result and the number of connections made."""
+    answer nothing), `answer` (the whole of `answer`) or `break` (headers and one event,
+    then gone). Returns what `call(client, url)` returned (or raised) and the number of
+    connections made."""
     connections = 0
 
     async def handle(reader, writer):
@@ -39,8 +42,8 @@ async def _serve(script: list[str], prompt: list[int]) -> tuple[object, int]:
         connections += 1
         await _read_request(reader)
         if what == "answer":
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                         b"connection: close\r\n\r\n" + _body(EVENTS))
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: " + kind + b"\r\n"
+                         b"connection: close\r\n\r\n" + answer)
         elif what == "break":
             chunk = _body(EVENTS[:1])
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
@@ -52,8 +55,10 @@ async def _serve(script: list[str], prompt: list[int]) -> tuple[object, int]:
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     async with server, httpx.AsyncClient(timeout=10) as client:
-        result = await send(client, f"http://127.0.0.1:{port}", "openai", "m", prompt, 2,
-                            True, "")
+        try:
+            result = await call(client, f"http://127.0.0.1:{port}")
+        except httpx.HTTPError as exc:
+            result = exc
     return result, connections
 
 
@@ -64,10 +69,35 @@ async def _serve(script: list[str], prompt: list[int]) -> tuple[object, int]:
     (["break", "answer"], 1, False),  # it began: not sent again
 ])
 def test_a_request_goes_again_only_where_nothing_was_answered(script, connections, success):
-    result, made = asyncio.run(_serve(script, [1, 2, 3]))
+    result, made = asyncio.run(_serve(
+        script, lambda client, url: send(client, url, "openai", "m", [1, 2, 3], 2, True, "")))
     assert (made, result.success) == (connections, success), result.error
     if success:
         assert (result.output_tokens, result.prompt_len) == (2, 3)
         assert result.ttft > 0 and len(result.itl) == 1
     else:
         assert "RemoteProtocolError" in result.error
+
+
+CHAT = {"choices": [{"message": {"content": "same text"}}], "usage": {"completion_tokens": 2}}
+
+
+async def _chat(client: httpx.AsyncClient, url: str):
+    client.base_url = url  # benchmarks.speculation's client names the server once
+    return await one(client, "m", "hi", 2, False)
+
+
+@pytest.mark.parametrize(("script", "connections", "answer"), [
+    (["close", "answer"], 2, ("same text", 2)),
+    (["close", "close"], 2, httpx.RemoteProtocolError),
+])
+def test_the_speculation_benchmarks_request_goes_again_once_where_nothing_was_answered(
+        script, connections, answer):
+    result, made = asyncio.run(_serve(
+        script, _chat,
+        json.dumps(CHAT).encode(), b"application/json"))
+    assert made == connections
+    if isinstance(answer, tuple):
+        assert result == answer
+    else:
+        assert isinstance(result, answer)
