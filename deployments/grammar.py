@@ -27,7 +27,8 @@ class InvalidGrammar(ValueError):
 
 
 def json_schema(schema: Any) -> str:
-    """The grammar of JSON documents that validate against `schema` (a dict or its text)."""
+    """The grammar of JSON documents that validate against `schema` (a dict or its text),
+    its objects closed where it lists their properties (see `closed`)."""
     import llguidance
 
     if isinstance(schema, str):
@@ -38,10 +39,49 @@ def json_schema(schema: Any) -> str:
     if not isinstance(schema, dict):
         raise InvalidGrammar("the JSON schema must be an object")
     try:
-        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(closed(schema)),
                                                              defaults=JSON_OPTIONS)
     except ValueError as exc:
         raise InvalidGrammar(str(exc)) from exc
+
+
+# Keywords whose value is a schema, a list of schemas, or a map from names to schemas.
+_SUBSCHEMA = ("additionalProperties", "items", "additionalItems", "contains", "not", "if",
+              "then", "else", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions",
+                   "dependentSchemas")
+
+
+def closed(schema: Any, in_all_of: bool = False) -> Any:
+    """`schema` with `"additionalProperties": false` on each object schema that lists its
+    properties and says nothing about others. JSON Schema allows unlisted properties by
+    default, and llguidance follows it, so a model could add keys no one asked for (a
+    tool call's `get_weather` got `"month"` beside `"city"`). TGI (outlines), vLLM
+    (xgrammar; `disable_additional_properties` for guidance) and llama.cpp's server
+    generate only the listed properties: so does raygen. An explicit
+    `additionalProperties` or `unevaluatedProperties` is kept, and the parts of an `allOf`
+    stay open, since closing each would refuse the others' properties. A copy: the
+    request's own schema is not changed."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), dict):
+            out[key] = closed(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(s, in_all_of=key == "allOf") for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(s) for name, s in out[key].items()}
+    lists_properties = "properties" in out or "patternProperties" in out
+    says_how = "additionalProperties" in out or "unevaluatedProperties" in out
+    if lists_properties and not says_how and not in_all_of and "allOf" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def regex(pattern: Any) -> str:

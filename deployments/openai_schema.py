@@ -149,9 +149,21 @@ class ChatRequest(_Common):
 
 
 def _content_text(content: str | list[dict[str, Any]] | None) -> str:
+    """A message's text; its parts joined. A part that is not text (an image, audio, a file)
+    is refused: the models served here read text only, and dropping the part would answer
+    a question the client did not ask."""
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(part.get("text", "") for part in content if part.get("type") == "text")
+    texts = []
+    for part in content:
+        kind = part.get("type")
+        if kind != "text":
+            raise bad(f"content parts of type {kind!r} are not supported: this model takes "
+                      "text only (parts of type 'text')")
+        if not isinstance(part.get("text"), str):
+            raise bad("a content part of type 'text' needs a string 'text'")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 def prompts(tok: Any, req: CompletionRequest | ChatRequest, chat: bool) -> list[list[int]]:
@@ -219,10 +231,14 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
         raise bad(f"This model's maximum input length is {limits.max_input_tokens} tokens; "
                          f"the prompt has {num_prompt_tokens}")
     room = limits.max_total_tokens - num_prompt_tokens
-    max_tokens = (req.max_completion_tokens or req.max_tokens) if chat else req.max_tokens
+    field, max_tokens = "max_tokens", req.max_tokens
+    if chat and req.max_completion_tokens is not None:  # OpenAI's newer name wins
+        field, max_tokens = "max_completion_tokens", req.max_completion_tokens
     if max_tokens is None:
         max_tokens = min(room, 1024) if chat else min(room, DEFAULT_MAX_TOKENS)
-    if max_tokens < 1 or max_tokens > room:
+    if max_tokens < 1:
+        raise bad(f"{field} must be at least 1, got {max_tokens}")
+    if max_tokens > room:
         raise bad(f"This model's maximum context length is {limits.max_total_tokens} tokens. "
                          f"However, you requested {num_prompt_tokens + max_tokens} tokens "
                          f"({num_prompt_tokens} in the prompt, {max_tokens} in the completion).")

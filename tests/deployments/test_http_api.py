@@ -224,7 +224,11 @@ def test_openai_refuses_output_changing_fields_it_does_not_implement(app):
             ("/v1/completions", {**completion, "min_p": 0.1}, "min_p"),
             ("/v1/chat/completions", {**chat, "guided_json": {"type": "object"}}, "guided_json"),
             ("/v1/chat/completions", {**chat, "functions": [{"name": "f"}]}, "functions"),
-            ("/v1/chat/completions", {**chat, "modalities": ["text", "audio"]}, "text output")):
+            ("/v1/chat/completions", {**chat, "modalities": ["text", "audio"]}, "text output"),
+            ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "What is this?"},
+                {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]},
+             "image_url")):
         r = post(path, body)
         assert r.status_code == 400, (field, r.text)
         assert field in r.json()["error"]["message"]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
+from deployments import grammar
 from deployments.admission import ApiError
-from deployments.openai_schema import CompletionRequest, prompts
+from deployments.config import Limits
+from deployments.openai_schema import ChatRequest, CompletionRequest, params, prompts
 
 
 class CountingTokenizer:
@@ -44,3 +48,89 @@ def test_text_prompts_do_not_size_the_vocabulary(tokenizer):
         texts = [text] if isinstance(text, str) else text
         assert got == [tokenizer(t).input_ids for t in texts]
     assert tok.sized == 0
+
+
+def chat_request(content, **fields) -> ChatRequest:
+    return ChatRequest(model="m", messages=[{"role": "user", "content": content}], **fields)
+
+
+def test_chat_content_parts_are_text_or_refused(tokenizer):
+    """Text parts join into the message's text; an image (or any part that is not text) is
+    refused by name, not dropped: the answer would be to a question no one asked."""
+    parts = [{"type": "text", "text": "Tona "}, {"type": "text", "text": "sefi"}]
+    assert prompts(tokenizer, chat_request(parts), chat=True) == \
+        prompts(tokenizer, chat_request("Tona sefi"), chat=True)
+    for part, word in (({"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+                        "'image_url'"),
+                       ({"type": "input_audio", "input_audio": {"data": ""}}, "'input_audio'"),
+                       ({"type": "text"}, "needs a string 'text'")):
+        with pytest.raises(ApiError) as err:
+            prompts(tokenizer, chat_request([parts[0], part]), chat=True)
+        assert err.value.status == 400 and word in err.value.message
+
+
+def test_max_tokens_below_one_is_named_as_such():
+    limits = Limits(max_input_tokens=100, max_total_tokens=128, max_stop_sequences=4,
+                    max_best_of=2, max_top_n_tokens=5)
+    for request, chat, field in (
+            (CompletionRequest(model="m", prompt="hi", max_tokens=0), False, "max_tokens"),
+            (chat_request("hi", max_tokens=0), True, "max_tokens"),
+            (chat_request("hi", max_tokens=5, max_completion_tokens=0), True,
+             "max_completion_tokens")):
+        with pytest.raises(ApiError) as err:
+            params(limits, 4, request, chat, num_prompt_tokens=3)
+        assert err.value.message == f"{field} must be at least 1, got 0"
+    # The newer name wins where both are given, whichever is larger.
+    assert params(limits, 4, chat_request("hi", max_tokens=9, max_completion_tokens=3),
+                  True, num_prompt_tokens=3).max_new_tokens == 3
+    with pytest.raises(ApiError, match="maximum context length is 128 tokens"):
+        params(limits, 4, chat_request("hi", max_tokens=126), True, num_prompt_tokens=3)
+
+
+def test_schemas_are_closed_where_they_list_properties():
+    point = {"type": "object", "properties": {"x": {"type": "number"}}}
+    schema = {
+        "type": "object",
+        "properties": {"at": {"$ref": "#/$defs/point"},
+                       "path": {"type": "array", "items": point},
+                       "tags": {"type": "object", "additionalProperties": True,
+                                "properties": {"a": {"type": "string"}}},
+                       "any": {"type": "object"},
+                       "either": {"anyOf": [point, {"type": "string"}]},
+                       "both": {"allOf": [point, {"properties": {"y": {}}}]}},
+        "$defs": {"point": point},
+    }
+    before = json.dumps(schema)
+    out = grammar.closed(schema)
+    assert json.dumps(schema) == before  # the request's schema is left as it came
+    props = out["properties"]
+    assert out["additionalProperties"] is False
+    assert out["$defs"]["point"]["additionalProperties"] is False
+    assert props["path"]["items"]["additionalProperties"] is False
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False
+    assert props["tags"]["additionalProperties"] is True  # said explicitly: kept
+    assert "additionalProperties" not in props["any"]  # lists nothing: any keys
+    assert all("additionalProperties" not in s for s in props["both"]["allOf"])
+    assert "additionalProperties" not in props["both"]
+
+
+def test_a_json_grammar_refuses_keys_the_schema_does_not_list(llama_dir, tokenizer):
+    """What the model may write: the listed keys, not others (TGI's, vLLM's and llama.cpp's
+    behaviour; JSON Schema's own default, which llguidance follows, allows any key)."""
+    import llguidance
+
+    from shards.model.grammar import load_tokenizer
+
+    ll = load_tokenizer(llama_dir, len(tokenizer))
+    tool = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    text = grammar.json_schema(tool)
+
+    def accepted(document: str) -> bool:
+        matcher = llguidance.LLMatcher(ll, text, log_level=0)
+        tokens = ll.tokenize_str(document)
+        return matcher.validate_tokens(tokens) == len(tokens) and \
+            matcher.consume_tokens(tokens) and matcher.is_accepting()
+
+    assert accepted('{"city":"Paris"}')
+    assert not accepted('{"city":"Paris","month":"May"}')
+    assert not accepted('{"city":"Paris","":"x"}')
