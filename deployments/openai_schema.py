@@ -29,10 +29,14 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
+    """OpenAI's `{"type": "json_schema", "json_schema": {...}}` and `{"type": "json_object"}`,
+    or TGI's grammar shape, which huggingface_hub's `InferenceClient` sends:
+    `{"type": "json" (alias "json_object") | "regex" | "json_schema", "value": ...}`."""
     model_config = ConfigDict(extra="ignore")
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "json", "regex"]
     json_schema: JsonSchemaFormat | None = None
+    value: Any = None  # TGI's
 
 
 # Fields of OpenAI's API or vLLM's extensions that would change the output and that this
@@ -254,12 +258,23 @@ def response_grammar(req: CompletionRequest | ChatRequest) -> str | None:
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return None
-    if fmt.type == "json_object":
-        schema: dict[str, Any] = {"type": "object"}
-    elif fmt.json_schema is None or fmt.json_schema.json_schema is None:
-        raise bad("response_format of type json_schema needs json_schema.schema")
-    else:
+    if fmt.type == "regex":
+        try:
+            return grammar.regex(fmt.value)
+        except grammar.InvalidGrammar as exc:
+            raise bad(f"Invalid response_format regex: {exc}") from exc
+    if fmt.type == "json" or (fmt.type == "json_object" and fmt.value is not None):
+        if fmt.value is None:
+            raise bad("response_format of type json needs a value: a JSON schema")
+        schema: Any = fmt.value
+    elif fmt.type == "json_object":
+        schema = {"type": "object"}
+    elif fmt.json_schema is not None and fmt.json_schema.json_schema is not None:
         schema = fmt.json_schema.json_schema
+    elif isinstance(fmt.value, dict) and "schema" in fmt.value:  # TGI's json_schema
+        schema = fmt.value["schema"]
+    else:
+        raise bad("response_format of type json_schema needs json_schema.schema")
     try:
         return grammar.json_schema(schema)
     except grammar.InvalidGrammar as exc:

@@ -175,17 +175,24 @@ def _tokenize(request: TGIRequest, tokenizer: Any, limits: Limits) -> tuple[list
 
 def _grammar(value: Any) -> str:
     """TGI's `parameters.grammar`: {"type": "json" (alias "json_object"), "value": a JSON
-    schema, as an object or its text} or {"type": "regex", "value": a pattern}."""
+    schema, as an object or its text}, {"type": "json_schema", "value": {"name": ...,
+    "schema": a JSON schema}} or {"type": "regex", "value": a pattern}."""
     if not isinstance(value, dict) or "type" not in value or "value" not in value:
         raise ValidationError("`grammar` must be an object with `type` and `value`")
     try:
         if value["type"] in ("json", "json_object"):
             return grammar.json_schema(value["value"])
+        if value["type"] == "json_schema":
+            config = value["value"]
+            if not isinstance(config, dict) or "schema" not in config:
+                raise grammar.InvalidGrammar("a json_schema grammar's value needs `schema`")
+            return grammar.json_schema(config["schema"])
         if value["type"] == "regex":
             return grammar.regex(value["value"])
     except grammar.InvalidGrammar as exc:
         raise ValidationError(f"Invalid grammar: {exc}") from exc
-    raise ValidationError(f"unknown grammar type {value['type']!r}: use \"json\" or \"regex\"")
+    raise ValidationError(f"unknown grammar type {value['type']!r}: use \"json\", "
+                          "\"json_schema\" or \"regex\"")
 
 
 def token_json(token_id: int, text: str, logprob: float | None, special: bool) -> dict:

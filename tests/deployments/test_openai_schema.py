@@ -9,7 +9,13 @@ import pytest
 from deployments import grammar
 from deployments.admission import ApiError
 from deployments.config import Limits
-from deployments.openai_schema import ChatRequest, CompletionRequest, params, prompts
+from deployments.openai_schema import (
+    ChatRequest,
+    CompletionRequest,
+    params,
+    prompts,
+    response_grammar,
+)
 
 
 class CountingTokenizer:
@@ -134,3 +140,40 @@ def test_a_json_grammar_refuses_keys_the_schema_does_not_list(llama_dir, tokeniz
     assert accepted('{"city":"Paris"}')
     assert not accepted('{"city":"Paris","month":"May"}')
     assert not accepted('{"city":"Paris","":"x"}')
+
+
+def test_response_format_takes_openai_s_and_tgi_s_shapes():
+    """huggingface_hub's InferenceClient sends TGI's grammar shape to /v1/chat/completions
+    (`{"type": "json" | "regex" | "json_schema", "value": ...}`); the openai client sends
+    OpenAI's. The same schema is the same grammar either way."""
+    schema = {"type": "object", "properties": {"c": {"type": "string", "maxLength": 8}},
+              "required": ["c"]}
+    want = grammar.json_schema(schema)
+    for fmt in ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+                {"type": "json", "value": schema},
+                {"type": "json", "value": json.dumps(schema)},
+                {"type": "json_object", "value": schema},
+                {"type": "json_schema", "value": {"name": "x", "schema": schema}}):
+        assert response_grammar(chat_request("hi", response_format=fmt)) == want, fmt
+    assert response_grammar(chat_request("hi", response_format={"type": "json_object"})) == \
+        grammar.json_schema({"type": "object"})
+    assert response_grammar(chat_request(
+        "hi", response_format={"type": "regex", "value": "[0-9]{3}"})) == grammar.regex("[0-9]{3}")
+    assert response_grammar(chat_request("hi", response_format={"type": "text"})) is None
+    for fmt, message in (({"type": "json"}, "needs a value"),
+                         ({"type": "regex", "value": 5}, "Invalid response_format regex"),
+                         ({"type": "json_schema", "value": {"name": "x"}},
+                          "needs json_schema.schema")):
+        with pytest.raises(ApiError) as err:
+            response_grammar(chat_request("hi", response_format=fmt))
+        assert err.value.status == 400 and message in err.value.message, err.value.message
+
+
+def test_tgi_grammar_takes_a_json_schema_config():
+    from deployments.tgi import ValidationError, _grammar
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert _grammar({"type": "json_schema", "value": {"name": "p", "schema": schema}}) == \
+        _grammar({"type": "json", "value": schema}) == grammar.json_schema(schema)
+    with pytest.raises(ValidationError, match="needs `schema`"):
+        _grammar({"type": "json_schema", "value": schema})

@@ -17,9 +17,11 @@ import time
 from pathlib import Path
 
 import httpx
+import huggingface_hub.constants
 import jsonschema
 import pytest
 import yaml
+from huggingface_hub import InferenceClient
 from openai import BadRequestError, NotFoundError, OpenAI
 from text_generation import AsyncClient, Client
 from text_generation.errors import ValidationError
@@ -351,7 +353,7 @@ def test_tgi_regex_grammar_fullmatches(server):
     assert re.fullmatch("(yes|no)", compat[0]["generated_text"])
 
 
-def test_openai_response_format(openai_client):
+def test_openai_response_format(openai_client, monkeypatch):
     for i, schema in enumerate(SCHEMAS):
         fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema}}
         chat = openai_client.chat.completions.create(
@@ -371,6 +373,14 @@ def test_openai_response_format(openai_client):
     text = "".join(c.choices[0].delta.content or "" for c in openai_client.chat.completions.create(
         model="m", messages=MESSAGES, max_tokens=200, response_format=fmt, stream=True))
     jsonschema.validate(json.loads(text), schema)
+    # huggingface_hub's InferenceClient sends TGI's shape, {"type": "json", "value": schema}.
+    # (It refuses every URL, this one too, while HF_HUB_OFFLINE is set, as it is here.)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    hub = InferenceClient(BASE, timeout=120)
+    out = hub.chat_completion(MESSAGES, model="m", max_tokens=200, seed=1,
+                              response_format={"type": "json", "value": schema})
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    assert out.choices[0].finish_reason == "stop"
     for seed in range(3):  # any object: unbounded, so it may run out of tokens
         obj = openai_client.chat.completions.create(
             model="m", messages=MESSAGES, max_tokens=100, seed=seed,
