@@ -47,6 +47,7 @@ _OFF = (None, False, "", {}, [])
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name: (values that change nothing, refusal)
     "logit_bias": (_OFF, "logit_bias is not supported"),
     "suffix": (_OFF, "suffix is not supported"),
+    "echo": (_OFF, "echo is not supported"),
     "best_of": ((None, 1), "best_of is not supported on /v1/completions; use n, or TGI's best_of"),
     "min_p": ((None, 0), "min_p is not supported"),
     "min_tokens": ((None, 0), "min_tokens is not supported"),
@@ -106,7 +107,6 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
-    echo: bool = False
 
 
 class ChatMessage(BaseModel):
@@ -226,11 +226,13 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
     if len(stop) > limits.max_stop_sequences or any(not s for s in stop):
         raise bad(f"stop must be up to {limits.max_stop_sequences} non-empty strings")
     if chat:
-        top_n = (req.top_logprobs or 0) if req.logprobs else 0
+        if (req.top_logprobs or 0) > 0 and not req.logprobs:
+            raise bad("top_logprobs needs logprobs set to true")
+        top_n, field = (req.top_logprobs or 0) if req.logprobs else 0, "top_logprobs"
     else:
-        top_n = req.logprobs or 0
+        top_n, field = req.logprobs or 0, "logprobs"
     if not 0 <= top_n <= limits.max_top_n_tokens:
-        raise bad(f"logprobs must be between 0 and {limits.max_top_n_tokens}")
+        raise bad(f"{field} must be between 0 and {limits.max_top_n_tokens}")
     if num_prompt_tokens > limits.max_input_tokens:
         raise bad(f"This model's maximum input length is {limits.max_input_tokens} tokens; "
                          f"the prompt has {num_prompt_tokens}")

@@ -220,6 +220,7 @@ def test_openai_refuses_output_changing_fields_it_does_not_implement(app):
     for path, body, field in (
             ("/v1/completions", {**completion, "logit_bias": {"5": 100}}, "logit_bias"),
             ("/v1/completions", {**completion, "suffix": " end"}, "suffix"),
+            ("/v1/completions", {**completion, "echo": True}, "echo"),
             ("/v1/completions", {**completion, "best_of": 2}, "best_of"),
             ("/v1/completions", {**completion, "min_p": 0.1}, "min_p"),
             ("/v1/chat/completions", {**chat, "guided_json": {"type": "object"}}, "guided_json"),

@@ -177,3 +177,24 @@ def test_tgi_grammar_takes_a_json_schema_config():
         _grammar({"type": "json", "value": schema}) == grammar.json_schema(schema)
     with pytest.raises(ValidationError, match="needs `schema`"):
         _grammar({"type": "json_schema", "value": schema})
+
+
+def test_log_probability_fields_are_honoured_or_refused_by_name():
+    """`echo` is refused (it was accepted and ignored); `top_logprobs` without `logprobs`
+    would return none of what it asks for, so it is refused; each limit names its field."""
+    limits = Limits(max_input_tokens=100, max_total_tokens=128, max_stop_sequences=4,
+                    max_best_of=2, max_top_n_tokens=5)
+    for request, chat, message in (
+            (CompletionRequest(model="m", prompt="hi", echo=True), False, "echo is not supported"),
+            (CompletionRequest(model="m", prompt="hi", logprobs=6), False,
+             "logprobs must be between 0 and 5"),
+            (chat_request("hi", logprobs=True, top_logprobs=6), True,
+             "top_logprobs must be between 0 and 5"),
+            (chat_request("hi", top_logprobs=2), True, "top_logprobs needs logprobs set to true")):
+        with pytest.raises(ApiError) as err:
+            params(limits, 4, request, chat, num_prompt_tokens=3)
+        assert err.value.message == message
+    assert params(limits, 4, CompletionRequest(model="m", prompt="hi", echo=False), False,
+                  num_prompt_tokens=3).top_n_tokens == 0
+    assert params(limits, 4, chat_request("hi", logprobs=True, top_logprobs=5), True,
+                  num_prompt_tokens=3).top_n_tokens == 5
