@@ -63,6 +63,28 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name: (values that change nothi
     "prediction": (_OFF, "prediction is not supported"),
     "audio": (_OFF, "audio output is not supported"),
     "modalities": ((None, ["text"]), "only text output is supported (modalities: [\"text\"])"),
+    # vLLM's extensions beyond top_k, repetition_penalty and ignore_eos, and TGI's tool_prompt
+    "stop_token_ids": (_OFF, "stop_token_ids is not supported; use stop"),
+    "bad_words": (_OFF, "bad_words is not supported"),
+    "allowed_token_ids": (_OFF, "allowed_token_ids is not supported"),
+    "logits_processors": (_OFF, "logits_processors is not supported"),
+    "include_stop_str_in_output": ((None, False), "include_stop_str_in_output is not supported"),
+    "skip_special_tokens": ((None, True), "skip_special_tokens=false is not supported"),
+    "spaces_between_special_tokens": ((None, True),
+                                      "spaces_between_special_tokens=false is not supported"),
+    "prompt_logprobs": ((None, 0), "prompt_logprobs is not supported on OpenAI routes; "
+                                   "use TGI's decoder_input_details"),
+    "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens is not supported; "
+                                        "use TGI's truncate"),
+    "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not supported"),
+    "add_generation_prompt": ((None, True), "add_generation_prompt=false is not supported"),
+    "continue_final_message": ((None, False), "continue_final_message is not supported"),
+    "chat_template": ((None,), "chat_template is not supported: the tokenizer's is used"),
+    "chat_template_kwargs": (_OFF, "chat_template_kwargs is not supported"),
+    "documents": (_OFF, "documents is not supported"),
+    "guided_whitespace_pattern": (_OFF, "guided_whitespace_pattern is not supported"),
+    "guided_decoding_backend": (_OFF, "guided_decoding_backend is not supported"),
+    "tool_prompt": (_OFF, "tool_prompt is not supported: the tools go to the chat template"),
 }
 
 

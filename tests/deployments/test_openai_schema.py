@@ -10,8 +10,10 @@ from deployments import grammar
 from deployments.admission import ApiError
 from deployments.config import Limits
 from deployments.openai_schema import (
+    UNSUPPORTED,
     ChatRequest,
     CompletionRequest,
+    _same,
     params,
     prompts,
     response_grammar,
@@ -198,3 +200,22 @@ def test_log_probability_fields_are_honoured_or_refused_by_name():
                   num_prompt_tokens=3).top_n_tokens == 0
     assert params(limits, 4, chat_request("hi", logprobs=True, top_logprobs=5), True,
                   num_prompt_tokens=3).top_n_tokens == 5
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
+def test_each_unimplemented_field_is_refused_unless_neutral(name):
+    """Every field that would change the output and is not implemented (OpenAI's, vLLM's
+    and TGI's extensions) is refused by name, and passes at its neutral values."""
+    limits = Limits(max_input_tokens=100, max_total_tokens=128, max_stop_sequences=4,
+                    max_best_of=2, max_top_n_tokens=5)
+    neutral, message = UNSUPPORTED[name]
+    value = next(v for v in (True, False, 2, ["x"], "x")
+                 if not any(_same(v, n) for n in neutral))
+    for chat in (False, True):
+        make = (lambda **f: chat_request("hi", **f)) if chat else \
+            (lambda **f: CompletionRequest(model="m", prompt="hi", **f))
+        with pytest.raises(ApiError) as err:
+            params(limits, 4, make(**{name: value}), chat, num_prompt_tokens=3)
+        assert err.value.message == message and err.value.status == 400
+        for ok in neutral:
+            params(limits, 4, make(**{name: ok}), chat, num_prompt_tokens=3)
