@@ -88,16 +88,19 @@ class TGIApi:
             self.admission.release()
 
     async def tokenize(self, request: Request) -> Response:
-        """POST /tokenize: the prompt's tokens with their character offsets."""
+        """POST /tokenize: the prompt's tokens with their character offsets; with
+        `parameters.truncate`, the last that many, as /generate would keep (TGI's)."""
         try:
             req = await self.admission.read(request, tgi.TGIRequest)
         except Exception as exc:
             return self.error(exc)
         enc = self.tokenizer(req.inputs, add_special_tokens=req.add_special_tokens,
                              return_offsets_mapping=True)
-        return JSONResponse([
-            {"id": t, "text": req.inputs[a:b], "start": a, "stop": b}
-            for t, (a, b) in zip(enc.input_ids, enc.offset_mapping, strict=True)])
+        tokens = list(zip(enc.input_ids, enc.offset_mapping, strict=True))
+        if req.parameters.truncate is not None:
+            tokens = tokens[-req.parameters.truncate :] if req.parameters.truncate else []
+        return JSONResponse([{"id": t, "text": req.inputs[a:b], "start": a, "stop": b}
+                             for t, (a, b) in tokens])
 
     # -- responses -------------------------------------------------------------------
     async def _response(self, req, valid, start, validation_time) -> Response:

@@ -180,6 +180,11 @@ def test_generate_headers_and_details(app):
 def test_tokenize_and_info(app, tokenizer):
     r = post("/tokenize", {"inputs": "Hello kari"})
     assert [t["id"] for t in r.json()] == tokenizer("Hello kari").input_ids
+    # `truncate` keeps the last tokens, as /generate does (TGI's /tokenize honours it too).
+    text = "Hello kari tona sefi"
+    r = post("/tokenize", {"inputs": text, "parameters": {"truncate": 2}})
+    assert [t["id"] for t in r.json()] == tokenizer(text).input_ids[-2:]
+    assert "".join(t["text"] for t in r.json()) == text[r.json()[0]["start"]:]
     info = httpx.get(BASE + "/info").json()
     assert info["max_input_tokens"] == 64 and info["max_total_tokens"] == 128
     # The admission policy in effect: TGI v3 with chunked prefill admits at every step.
