@@ -160,7 +160,7 @@ class FunctionName(BaseModel):
 
 
 class NamedToolChoice(BaseModel):
-    type: Literal["function"]
+    type: Literal["function"] = "function"  # huggingface_hub's InferenceClient leaves it out
     function: FunctionName
 
 
@@ -170,7 +170,8 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # "none", "auto", "required", a function by object, or (TGI's) by its bare name
+    tool_choice: NamedToolChoice | str | None = None
     parallel_tool_calls: bool | None = None  # each choice makes at most one call
 
 

@@ -33,6 +33,8 @@ def _call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]
 def tool_grammar(req: ChatRequest) -> str | None:
     """The grammar `tools` and `tool_choice` ask for (None: free text)."""
     choice = req.tool_choice
+    if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+        choice = NamedToolChoice(function={"name": choice})  # TGI's: a function's bare name
     if not req.tools:
         if choice not in (None, "none"):
             raise bad("tool_choice needs tools")

@@ -219,3 +219,24 @@ def test_each_unimplemented_field_is_refused_unless_neutral(name):
         assert err.value.message == message and err.value.status == 400
         for ok in neutral:
             params(limits, 4, make(**{name: ok}), chat, num_prompt_tokens=3)
+
+
+def test_tool_choice_names_a_function_in_each_client_s_shape():
+    """OpenAI's `{"type": "function", "function": {...}}`, huggingface_hub's object without
+    `type`, and TGI's bare name all pick that one function; an unknown name is refused."""
+    from deployments.openai_tools import tool_grammar
+
+    def tool(name: str) -> dict:
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+
+    def grammar_for(choice) -> str:
+        return tool_grammar(ChatRequest(model="m", messages=[{"role": "user", "content": "hi"}],
+                                        tools=[tool("f"), tool("g")], tool_choice=choice))
+
+    want = grammar_for({"type": "function", "function": {"name": "g"}})
+    assert grammar_for({"function": {"name": "g"}}) == grammar_for("g") == want
+    assert want not in (grammar_for("required"), grammar_for("auto"), grammar_for("f"))
+    assert grammar_for("none") is None
+    with pytest.raises(ApiError, match="names function 'h'"):
+        grammar_for("h")
