@@ -63,13 +63,10 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name: (values that change nothi
     "prediction": (_OFF, "prediction is not supported"),
     "audio": (_OFF, "audio output is not supported"),
     "modalities": ((None, ["text"]), "only text output is supported (modalities: [\"text\"])"),
-    # vLLM's extensions beyond top_k, repetition_penalty and ignore_eos, and TGI's tool_prompt
-    "stop_token_ids": (_OFF, "stop_token_ids is not supported; use stop"),
+    # vLLM's extensions beyond those _Common honours, and TGI's tool_prompt
     "bad_words": (_OFF, "bad_words is not supported"),
     "allowed_token_ids": (_OFF, "allowed_token_ids is not supported"),
     "logits_processors": (_OFF, "logits_processors is not supported"),
-    "include_stop_str_in_output": ((None, False), "include_stop_str_in_output is not supported"),
-    "skip_special_tokens": ((None, True), "skip_special_tokens=false is not supported"),
     "spaces_between_special_tokens": ((None, True),
                                       "spaces_between_special_tokens=false is not supported"),
     "prompt_logprobs": ((None, 0), "prompt_logprobs is not supported on OpenAI routes; "
@@ -123,6 +120,9 @@ class _Common(BaseModel):
     ignore_eos: bool = False  # vLLM's extension: exact output lengths for benchmarks
     top_k: int | None = None  # vLLM's extension; -1 or 0: off
     repetition_penalty: float | None = None  # vLLM's extension (HF's); 1: off
+    stop_token_ids: list[int] | None = None  # vLLM's: these tokens end the output too
+    include_stop_str_in_output: bool = False  # vLLM's: keep the stop string in the text
+    skip_special_tokens: bool = True  # vLLM's: False writes special tokens into the text
     response_format: ResponseFormat | None = None
 
 
@@ -248,6 +248,9 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > limits.max_stop_sequences or any(not s for s in stop):
         raise bad(f"stop must be up to {limits.max_stop_sequences} non-empty strings")
+    stop_token_ids = tuple(req.stop_token_ids or ())
+    if any(t < 0 for t in stop_token_ids):
+        raise bad("stop_token_ids must be token ids (>= 0)")
     if chat:
         if (req.top_logprobs or 0) > 0 and not req.logprobs:
             raise bad("top_logprobs needs logprobs set to true")
@@ -275,7 +278,9 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
         max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
         repetition_penalty=repetition_penalty,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        seed=req.seed, stop=tuple(stop), top_n_tokens=top_n, ignore_eos=req.ignore_eos)
+        seed=req.seed, stop=tuple(stop), top_n_tokens=top_n, ignore_eos=req.ignore_eos,
+        stop_token_ids=stop_token_ids, include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens)
 
 
 def response_grammar(req: CompletionRequest | ChatRequest) -> str | None:

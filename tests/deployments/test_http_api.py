@@ -263,6 +263,26 @@ def test_openai_honours_vllm_top_k_and_repetition_penalty(app):
     assert post("/v1/completions", {**body, "repetition_penalty": 0}).status_code == 400
 
 
+def test_openai_honours_vllm_stop_token_ids_and_include_stop_str(app):
+    """vLLM's stop extensions, taken as the engine's own: a stop token ends the output
+    where it first comes (it counts as generated, as an EOS does); include_stop_str_in_output
+    keeps the stop string that trimmed text would lose."""
+    body = {"model": "m", "prompt": "Tona sefi mole", "max_tokens": 12, "temperature": 0}
+    ids = [t["id"] for t in post("/generate", {"inputs": body["prompt"], "parameters": {
+        "max_new_tokens": 12, "details": True}}).json()["details"]["tokens"]]
+    at = 3
+    cut = post("/v1/completions", {**body, "stop_token_ids": [ids[at]]}).json()
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["usage"]["completion_tokens"] == ids.index(ids[at]) + 1
+    text = post("/v1/completions", body).json()["choices"][0]["text"]
+    stop = text.strip()[2:5]
+    kept = post("/v1/completions", {**body, "stop": [stop], "include_stop_str_in_output": True})
+    trimmed = post("/v1/completions", {**body, "stop": [stop]})
+    assert kept.json()["choices"][0]["text"] == trimmed.json()["choices"][0]["text"] + stop
+    assert kept.json()["choices"][0]["text"] == text[:text.index(stop) + len(stop)]
+    assert post("/v1/completions", {**body, "stop_token_ids": [-1]}).status_code == 400
+
+
 def test_openai_usage_reports_cached_prompt_tokens(app):
     from tests.reference import make_prompts
 

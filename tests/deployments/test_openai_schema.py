@@ -240,3 +240,17 @@ def test_tool_choice_names_a_function_in_each_client_s_shape():
     assert grammar_for("none") is None
     with pytest.raises(ApiError, match="names function 'h'"):
         grammar_for("h")
+
+
+def test_vllm_stop_extensions_reach_the_engine():
+    limits = Limits(max_input_tokens=100, max_total_tokens=128, max_stop_sequences=4,
+                    max_best_of=2, max_top_n_tokens=5)
+    got = params(limits, 4, chat_request("hi", stop_token_ids=[5, 7], stop=["x"],
+                                         include_stop_str_in_output=True,
+                                         skip_special_tokens=False), True, num_prompt_tokens=3)
+    assert (got.stop_token_ids, got.stop, got.include_stop_str_in_output,
+            got.skip_special_tokens) == ((5, 7), ("x",), True, False)
+    plain = params(limits, 4, CompletionRequest(model="m", prompt="hi"), False,
+                   num_prompt_tokens=3)
+    assert (plain.stop_token_ids, plain.include_stop_str_in_output,
+            plain.skip_special_tokens) == ((), False, True)
