@@ -159,6 +159,7 @@ class OpenAIApi:
             runs = []
             for prompt_ids in schema.prompts(self.tokenizer, req, chat):
                 params = schema.params(self.limits, self.max_n, req, chat, len(prompt_ids))
+                schema.check_token_ids(self.tokenizer, params)
                 for i in range(req.n):
                     seed = params.seed + i if params.seed is not None else random.getrandbits(63)
                     runs.append(Generation(new_request_id(), prompt_ids, dataclasses.replace(

@@ -45,7 +45,6 @@ class ResponseFormat(BaseModel):
 # as OpenAI-compatible servers do.)
 _OFF = (None, False, "", {}, [])
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name: (values that change nothing, refusal)
-    "logit_bias": (_OFF, "logit_bias is not supported"),
     "suffix": (_OFF, "suffix is not supported"),
     "echo": (_OFF, "echo is not supported"),
     "best_of": ((None, 1), "best_of is not supported on /v1/completions; use n, or TGI's best_of"),
@@ -120,6 +119,7 @@ class _Common(BaseModel):
     ignore_eos: bool = False  # vLLM's extension: exact output lengths for benchmarks
     top_k: int | None = None  # vLLM's extension; -1 or 0: off
     repetition_penalty: float | None = None  # vLLM's extension (HF's); 1: off
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> added to its logit
     stop_token_ids: list[int] | None = None  # vLLM's: these tokens end the output too
     include_stop_str_in_output: bool = False  # vLLM's: keep the stop string in the text
     skip_special_tokens: bool = True  # vLLM's: False writes special tokens into the text
@@ -251,6 +251,13 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
     stop_token_ids = tuple(req.stop_token_ids or ())
     if any(t < 0 for t in stop_token_ids):
         raise bad("stop_token_ids must be token ids (>= 0)")
+    bias: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        if not key.strip().isdigit():
+            raise bad(f"logit_bias keys must be token ids; got {key!r}")
+        if not -100 <= value <= 100:
+            raise bad(f"logit_bias values must be between -100 and 100; got {value}")
+        bias[int(key)] = value
     if chat:
         if (req.top_logprobs or 0) > 0 and not req.logprobs:
             raise bad("top_logprobs needs logprobs set to true")
@@ -280,7 +287,17 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         seed=req.seed, stop=tuple(stop), top_n_tokens=top_n, ignore_eos=req.ignore_eos,
         stop_token_ids=stop_token_ids, include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens)
+        skip_special_tokens=req.skip_special_tokens, logit_bias=tuple(sorted(bias.items())))
+
+
+def check_token_ids(tok: Any, params: SamplingParams) -> None:
+    """Token ids a client named (logit_bias, stop_token_ids) must be in the vocabulary:
+    an id past the logits' width would fail the step of every request in it."""
+    named = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
+    if named:
+        vocab = len(tok)  # ~1 ms: only for requests that name ids
+        if any(t >= vocab for t in named):
+            raise bad(f"logit_bias and stop_token_ids must name token ids in [0, {vocab})")
 
 
 def response_grammar(req: CompletionRequest | ChatRequest) -> str | None:

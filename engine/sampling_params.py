@@ -29,6 +29,8 @@ class SamplingParams:
     grammar: str | None = None
     # The LoRA adapter to generate with (a name the server loaded), None for the base model.
     adapter: str | None = None
+    # OpenAI's logit_bias: (token id, value in [-100, 100]) pairs added to the logits first.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         checks = [
@@ -44,6 +46,8 @@ class SamplingParams:
             (self.top_n_tokens >= 0, "top_n_tokens must be >= 0"),
             (all(self.stop), "stop sequences must not be empty"),
             (not (self.grammar and self.ignore_eos), "ignore_eos cannot be used with a grammar"),
+            (all(t >= 0 and math.isfinite(v) and -100 <= v <= 100 for t, v in self.logit_bias),
+             "logit_bias maps token ids to values in [-100, 100]"),
         ]
         for ok, message in checks:
             if not ok:

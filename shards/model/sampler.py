@@ -1,10 +1,12 @@
 """Batched sampling on rank 0: one row of logits per request that needs a token.
 
-Order as TGI (and transformers' logits processors): repetition penalty, frequency and
-presence penalties, then temperature, top-k, top-p, typical-p. Greedy rows take the argmax
-after penalties. Each sampled row draws from its own generator seeded by (request seed,
-output position), so a seeded request gives the same text whatever else is in the batch
-and after preemption. Logprobs are TGI's: log-softmax of the processed scores.
+Order as TGI (and transformers' logits processors), after OpenAI's logit_bias (added to
+the logits first, as vLLM's logits processors come before its penalties): repetition
+penalty, frequency and presence penalties, then temperature, top-k, top-p, typical-p.
+Greedy rows take the argmax after the bias and penalties. Each sampled row draws from its
+own generator seeded by (request seed, output position), so a seeded request gives the
+same text whatever else is in the batch and after preemption. Logprobs are TGI's:
+log-softmax of the processed scores.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class SampleResult:
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
     scores = logits.float()
+    if any(r.params.logit_bias for r in rows):
+        scores = _apply_logit_bias(scores, rows)
     if any(r.params.has_penalties for r in rows):
         scores = _apply_penalties(scores, rows)
     temps = [r.params.temperature for r in rows]
@@ -65,6 +69,16 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
 
 def _mix(seed: int, position: int) -> int:
     return hash((seed, position)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _apply_logit_bias(scores: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    scores = scores.clone()
+    for i, r in enumerate(rows):
+        if r.params.logit_bias:
+            ids, values = zip(*r.params.logit_bias, strict=True)
+            scores[i, list(ids)] += torch.tensor(values, dtype=scores.dtype,
+                                                 device=scores.device)
+    return scores
 
 
 def _apply_penalties(scores: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

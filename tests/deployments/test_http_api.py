@@ -223,7 +223,6 @@ def test_openai_refuses_output_changing_fields_it_does_not_implement(app):
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
             "temperature": 0}
     for path, body, field in (
-            ("/v1/completions", {**completion, "logit_bias": {"5": 100}}, "logit_bias"),
             ("/v1/completions", {**completion, "suffix": " end"}, "suffix"),
             ("/v1/completions", {**completion, "echo": True}, "echo"),
             ("/v1/completions", {**completion, "best_of": 2}, "best_of"),
@@ -281,6 +280,23 @@ def test_openai_honours_vllm_stop_token_ids_and_include_stop_str(app):
     assert kept.json()["choices"][0]["text"] == trimmed.json()["choices"][0]["text"] + stop
     assert kept.json()["choices"][0]["text"] == text[:text.index(stop) + len(stop)]
     assert post("/v1/completions", {**body, "stop_token_ids": [-1]}).status_code == 400
+
+
+def test_openai_honours_logit_bias(app, tokenizer):
+    """+100 on one token: greedy and sampled output is that token; -100 on greedy's first
+    token: another comes first; an id past the vocabulary is a 400, not a failed step."""
+    body = {"model": "m", "prompt": "Tona sefi mole", "max_tokens": 4, "temperature": 0}
+    word = tokenizer("kari", add_special_tokens=False).input_ids[-1]
+    for extra in ({}, {"temperature": 1.0, "seed": 5}):
+        r = post("/v1/completions", {**body, **extra, "logit_bias": {str(word): 100}})
+        assert r.json()["choices"][0]["text"] == tokenizer.decode([word] * 4), r.text
+    ids = [t["id"] for t in post("/generate", {"inputs": body["prompt"], "parameters": {
+        "max_new_tokens": 1, "details": True}}).json()["details"]["tokens"]]
+    first = post("/v1/completions", {**body, "max_tokens": 1, "logprobs": 0,
+                                     "logit_bias": {str(ids[0]): -100}}).json()
+    assert first["choices"][0]["logprobs"]["tokens"][0] != tokenizer.decode(ids)
+    r = post("/v1/completions", {**body, "logit_bias": {str(len(tokenizer) + 10): 1}})
+    assert r.status_code == 400 and "logit_bias" in r.text
 
 
 def test_openai_usage_reports_cached_prompt_tokens(app):

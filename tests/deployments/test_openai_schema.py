@@ -14,10 +14,12 @@ from deployments.openai_schema import (
     ChatRequest,
     CompletionRequest,
     _same,
+    check_token_ids,
     params,
     prompts,
     response_grammar,
 )
+from engine.sampling_params import SamplingParams
 
 
 class CountingTokenizer:
@@ -254,3 +256,23 @@ def test_vllm_stop_extensions_reach_the_engine():
                    num_prompt_tokens=3)
     assert (plain.stop_token_ids, plain.include_stop_str_in_output,
             plain.skip_special_tokens) == ((), False, True)
+
+
+def test_logit_bias_is_parsed_checked_and_sized_against_the_vocabulary(tokenizer):
+    limits = Limits(max_input_tokens=100, max_total_tokens=128, max_stop_sequences=4,
+                    max_best_of=2, max_top_n_tokens=5)
+    got = params(limits, 4, CompletionRequest(model="m", prompt="hi",
+                                              logit_bias={"7": 5, "3": -100.0}), False, 3)
+    assert got.logit_bias == ((3, -100.0), (7, 5.0))
+    for bias, message in (({"x": 1}, "keys must be token ids"),
+                          ({"-1": 1}, "keys must be token ids"),
+                          ({"5": 101}, "between -100 and 100")):
+        with pytest.raises(ApiError, match=message):
+            params(limits, 4, CompletionRequest(model="m", prompt="hi", logit_bias=bias),
+                   False, 3)
+    vocab = len(tokenizer)
+    check_token_ids(tokenizer, got)
+    for far in (SamplingParams(logit_bias=((vocab, 1.0),)),
+                SamplingParams(stop_token_ids=(vocab,))):
+        with pytest.raises(ApiError, match=rf"in \[0, {vocab}\)"):
+            check_token_ids(tokenizer, far)

@@ -146,3 +146,26 @@ def test_prompt_logprobs_match_transformers_across_chunks(llama_dir):
     assert out.prompt_logprobs[0] is None
     assert len(out.prompt_logprobs) == len(prompt)
     assert torch.allclose(torch.tensor(out.prompt_logprobs[1:]), ref, atol=1e-4)
+
+
+def test_logit_bias_is_added_first_and_only_to_its_row():
+    """OpenAI's logit_bias: +100 makes a token the greedy and the sampled choice, -100 takes
+    the argmax away; rows without a bias in the same batch are untouched."""
+    logits = torch.stack([LOGITS, LOGITS, LOGITS])
+    up = SamplingParams(logit_bias=((8, 100.0),))
+    down = SamplingParams(temperature=1.0, logit_bias=((0, -100.0),))
+    rows = [SampleRow(p, seed=3, position=0, token_ids=[1], num_prompt_tokens=1)
+            for p in (up, down, SamplingParams())]
+    result = sample(logits, rows)
+    assert result.token_ids[0] == 8 and result.token_ids[2] == int(LOGITS.argmax())
+    plain = sample(LOGITS[None], rows[2:])
+    assert result.logprobs[2] == pytest.approx(plain.logprobs[0])
+    assert result.logprobs[0] == pytest.approx(0.0, abs=1e-6)  # all the mass is on token 8
+    draws = {sample(LOGITS[None], [SampleRow(down, s, 0, [1], 1)]).token_ids[0]
+             for s in range(40)}
+    assert 0 not in draws and len(draws) > 1
+    sampled_up = SamplingParams(temperature=1.5, logit_bias=((8, 100.0),))
+    assert {sample(LOGITS[None], [SampleRow(sampled_up, s, 0, [1], 1)]).token_ids[0]
+            for s in range(20)} == {8}
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=((1, 101.0),))
