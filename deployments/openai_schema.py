@@ -48,7 +48,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name: (values that change nothi
     "suffix": (_OFF, "suffix is not supported"),
     "echo": (_OFF, "echo is not supported"),
     "best_of": ((None, 1), "best_of is not supported on /v1/completions; use n, or TGI's best_of"),
-    "min_p": ((None, 0), "min_p is not supported"),
     "min_tokens": ((None, 0), "min_tokens is not supported"),
     "use_beam_search": (_OFF, "beam search is not supported"),
     "length_penalty": ((None, 1), "length_penalty is not supported (no beam search)"),
@@ -118,6 +117,7 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     ignore_eos: bool = False  # vLLM's extension: exact output lengths for benchmarks
     top_k: int | None = None  # vLLM's extension; -1 or 0: off
+    min_p: float = 0.0  # vLLM's extension; 0: off
     repetition_penalty: float | None = None  # vLLM's extension (HF's); 1: off
     logit_bias: dict[str, float] | None = None  # token id (as text) -> added to its logit
     stop_token_ids: list[int] | None = None  # vLLM's: these tokens end the output too
@@ -240,6 +240,7 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
         (-2 <= req.presence_penalty <= 2, "presence_penalty must be between -2 and 2"),
         (-2 <= req.frequency_penalty <= 2, "frequency_penalty must be between -2 and 2"),
         (top_k >= 0, "top_k must be -1 (off) or positive"),
+        (0 <= req.min_p <= 1, "min_p must be in [0, 1]"),
         (repetition_penalty > 0, "repetition_penalty must be > 0 (1: off)"),
     ]
     for ok, message in checks:
@@ -283,6 +284,7 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
                          f"({num_prompt_tokens} in the prompt, {max_tokens} in the completion).")
     return SamplingParams(
         max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+        min_p=req.min_p,
         repetition_penalty=repetition_penalty,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         seed=req.seed, stop=tuple(stop), top_n_tokens=top_n, ignore_eos=req.ignore_eos,

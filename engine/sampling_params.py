@@ -13,6 +13,7 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     top_p: float = 1.0
     typical_p: float = 1.0
+    min_p: float = 0.0  # drop tokens under min_p x the top token's probability; 0: off
     repetition_penalty: float = 1.0  # HF/TGI: divides positive logits of seen tokens
     frequency_penalty: float = 0.0  # OpenAI: per occurrence in the output
     presence_penalty: float = 0.0
@@ -39,6 +40,7 @@ class SamplingParams:
             (self.top_k >= 0, "top_k must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
             (0 < self.typical_p <= 1, "typical_p must be in (0, 1]"),
+            (0 <= self.min_p <= 1, "min_p must be in [0, 1]"),
             (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
              "repetition_penalty must be > 0"),
             (-2 <= self.frequency_penalty <= 2, "frequency_penalty must be in [-2, 2]"),

@@ -2,7 +2,8 @@
 
 Order as TGI (and transformers' logits processors), after OpenAI's logit_bias (added to
 the logits first, as vLLM's logits processors come before its penalties): repetition
-penalty, frequency and presence penalties, then temperature, top-k, top-p, typical-p.
+penalty, frequency and presence penalties, then temperature, top-k, top-p, min-p,
+typical-p.
 Greedy rows take the argmax after the bias and penalties. Each sampled row draws from its
 own generator seeded by (request seed, output position), so a seeded request gives the
 same text whatever else is in the batch and after preemption. Logprobs are TGI's:
@@ -101,7 +102,7 @@ def _apply_penalties(scores: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
 
 
 def _warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p, typical-p; removed tokens get -inf."""
+    """Temperature, top-k, top-p, min-p, typical-p; removed tokens get -inf."""
     device = scores.device
     temps = torch.tensor([p.temperature for p in params], device=device, dtype=scores.dtype)
     scores = scores / temps.unsqueeze(1)
@@ -117,6 +118,13 @@ def _warp(scores: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         remove = cumulative <= (1 - top_p).unsqueeze(1)
         remove[:, -1] = False  # keep at least the best token
         scores = scores.masked_fill(remove.scatter(1, order, remove), float("-inf"))
+    if any(p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([p.min_p for p in params], device=device, dtype=scores.dtype)
+        probs = scores.softmax(dim=-1)
+        floor = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        # The top token always stays (transformers' min_tokens_to_keep=1).
+        remove = (probs < floor).scatter(1, scores.argmax(dim=-1, keepdim=True), False)
+        scores = scores.masked_fill(remove, float("-inf"))
     if any(p.typical_p < 1.0 for p in params):
         scores = _typical(scores, params)
     return scores

@@ -226,7 +226,6 @@ def test_openai_refuses_output_changing_fields_it_does_not_implement(app):
             ("/v1/completions", {**completion, "suffix": " end"}, "suffix"),
             ("/v1/completions", {**completion, "echo": True}, "echo"),
             ("/v1/completions", {**completion, "best_of": 2}, "best_of"),
-            ("/v1/completions", {**completion, "min_p": 0.1}, "min_p"),
             ("/v1/chat/completions", {**chat, "guided_json": {"type": "object"}}, "guided_json"),
             ("/v1/chat/completions", {**chat, "functions": [{"name": "f"}]}, "functions"),
             ("/v1/chat/completions", {**chat, "modalities": ["text", "audio"]}, "text output"),
@@ -245,15 +244,19 @@ def test_openai_refuses_output_changing_fields_it_does_not_implement(app):
 
 
 def test_openai_honours_vllm_top_k_and_repetition_penalty(app):
-    """vLLM's extensions, taken as the engine's own top_k and repetition_penalty: top_k 1
-    samples the greedy token at any temperature; a penalty changes what greedy picks
-    exactly as the TGI route with the same penalty does."""
+    """vLLM's extensions, taken as the engine's own top_k, min_p and repetition_penalty:
+    top_k 1 (or min_p 1) samples the greedy token at any temperature; a penalty changes
+    what greedy picks exactly as the TGI route with the same penalty does."""
     body = {"model": "m", "prompt": "Tona sefi mole", "max_tokens": 12}
     greedy = post("/v1/completions", {**body, "temperature": 0}).json()["choices"][0]["text"]
     sampled = [post("/v1/completions", {**body, "temperature": 1.5, "top_k": k, "seed": seed})
                .json()["choices"][0]["text"] for k in (1, -1) for seed in (1, 2, 3)]
     assert sampled[:3] == [greedy] * 3
     assert any(text != greedy for text in sampled[3:])  # top_k -1: off, so it samples
+    # min_p 1: only tokens as likely as the top one stay, so it samples the greedy text too.
+    assert [post("/v1/completions", {**body, "temperature": 1.5, "min_p": 1.0, "seed": seed})
+            .json()["choices"][0]["text"] for seed in (1, 2, 3)] == [greedy] * 3
+    assert post("/v1/completions", {**body, "min_p": 1.5}).status_code == 400
     penalised = post("/v1/completions", {**body, "temperature": 0, "repetition_penalty": 3.0})
     tgi = post("/generate", {"inputs": "Tona sefi mole", "parameters": {
         "max_new_tokens": 12, "repetition_penalty": 3.0}})

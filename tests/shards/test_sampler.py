@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers.generation.logits_process import (
+    MinPLogitsWarper,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -29,6 +30,8 @@ def hf_warp(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         scores = TopKLogitsWarper(p.top_k)(ids, scores)
     if p.top_p < 1:
         scores = TopPLogitsWarper(p.top_p)(ids, scores)
+    if p.min_p > 0:
+        scores = MinPLogitsWarper(p.min_p)(ids, scores)
     if p.typical_p < 1:
         scores = TypicalLogitsWarper(p.typical_p)(ids, scores)
     return scores
@@ -40,6 +43,8 @@ CASES = [
     SamplingParams(temperature=1.3, top_p=0.8),
     SamplingParams(temperature=1.0, typical_p=0.6),
     SamplingParams(temperature=0.9, top_k=5, top_p=0.9),
+    SamplingParams(temperature=1.0, min_p=0.3),
+    SamplingParams(temperature=1.5, top_p=0.95, min_p=0.1),
 ]
 
 
