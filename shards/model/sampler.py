@@ -3,11 +3,10 @@
 Order as TGI (and transformers' logits processors), after OpenAI's logit_bias (added to
 the logits first, as vLLM's logits processors come before its penalties): repetition
 penalty, frequency and presence penalties, then temperature, top-k, top-p, min-p,
-typical-p.
-Greedy rows take the argmax after the bias and penalties. Each sampled row draws from its
-own generator seeded by (request seed, output position), so a seeded request gives the
-same text whatever else is in the batch and after preemption. Logprobs are TGI's:
-log-softmax of the processed scores.
+typical-p. Greedy rows take the argmax after the bias and penalties. Each sampled row
+draws from its own generator seeded by (request seed, output position), so a seeded
+request gives the same text whatever else is in the batch and after preemption. Logprobs
+are TGI's: log-softmax of the processed scores.
 """
 
 from __future__ import annotations
