@@ -60,6 +60,11 @@ def test_text_prompts_do_not_size_the_vocabulary(tokenizer):
     assert tok.sized == 0
 
 
+# The server's limits for the checks below: a 128-token context, TGI's defaults otherwise.
+LIMITS = Limits(max_input_tokens=100, max_total_tokens=128, max_stop_sequences=4,
+                max_best_of=2, max_top_n_tokens=5)
+
+
 def chat_request(content, **fields) -> ChatRequest:
     return ChatRequest(model="m", messages=[{"role": "user", "content": content}], **fields)
 
@@ -80,21 +85,19 @@ def test_chat_content_parts_are_text_or_refused(tokenizer):
 
 
 def test_max_tokens_below_one_is_named_as_such():
-    limits = Limits(max_input_tokens=100, max_total_tokens=128, max_stop_sequences=4,
-                    max_best_of=2, max_top_n_tokens=5)
     for request, chat, field in (
             (CompletionRequest(model="m", prompt="hi", max_tokens=0), False, "max_tokens"),
             (chat_request("hi", max_tokens=0), True, "max_tokens"),
             (chat_request("hi", max_tokens=5, max_completion_tokens=0), True,
              "max_completion_tokens")):
         with pytest.raises(ApiError) as err:
-            params(limits, 4, request, chat, num_prompt_tokens=3)
+            params(LIMITS, 4, request, chat, num_prompt_tokens=3)
         assert err.value.message == f"{field} must be at least 1, got 0"
-    # The newer name wins where both are given, whichever is larger.
-    assert params(limits, 4, chat_request("hi", max_tokens=9, max_completion_tokens=3),
+    # Where both are given, the newer name wins (here the smaller).
+    assert params(LIMITS, 4, chat_request("hi", max_tokens=9, max_completion_tokens=3),
                   True, num_prompt_tokens=3).max_new_tokens == 3
     with pytest.raises(ApiError, match="maximum context length is 128 tokens"):
-        params(limits, 4, chat_request("hi", max_tokens=126), True, num_prompt_tokens=3)
+        params(LIMITS, 4, chat_request("hi", max_tokens=126), True, num_prompt_tokens=3)
 
 
 def test_schemas_are_closed_where_they_list_properties():
@@ -186,8 +189,6 @@ def test_tgi_grammar_takes_a_json_schema_config():
 def test_log_probability_fields_are_honoured_or_refused_by_name():
     """`echo` is refused (it was accepted and ignored); `top_logprobs` without `logprobs`
     would return none of what it asks for, so it is refused; each limit names its field."""
-    limits = Limits(max_input_tokens=100, max_total_tokens=128, max_stop_sequences=4,
-                    max_best_of=2, max_top_n_tokens=5)
     for request, chat, message in (
             (CompletionRequest(model="m", prompt="hi", echo=True), False, "echo is not supported"),
             (CompletionRequest(model="m", prompt="hi", logprobs=6), False,
@@ -196,11 +197,11 @@ def test_log_probability_fields_are_honoured_or_refused_by_name():
              "top_logprobs must be between 0 and 5"),
             (chat_request("hi", top_logprobs=2), True, "top_logprobs needs logprobs set to true")):
         with pytest.raises(ApiError) as err:
-            params(limits, 4, request, chat, num_prompt_tokens=3)
+            params(LIMITS, 4, request, chat, num_prompt_tokens=3)
         assert err.value.message == message
-    assert params(limits, 4, CompletionRequest(model="m", prompt="hi", echo=False), False,
+    assert params(LIMITS, 4, CompletionRequest(model="m", prompt="hi", echo=False), False,
                   num_prompt_tokens=3).top_n_tokens == 0
-    assert params(limits, 4, chat_request("hi", logprobs=True, top_logprobs=5), True,
+    assert params(LIMITS, 4, chat_request("hi", logprobs=True, top_logprobs=5), True,
                   num_prompt_tokens=3).top_n_tokens == 5
 
 
@@ -208,8 +209,6 @@ def test_log_probability_fields_are_honoured_or_refused_by_name():
 def test_each_unimplemented_field_is_refused_unless_neutral(name):
     """Every field that would change the output and is not implemented (OpenAI's, vLLM's
     and TGI's extensions) is refused by name, and passes at its neutral values."""
-    limits = Limits(max_input_tokens=100, max_total_tokens=128, max_stop_sequences=4,
-                    max_best_of=2, max_top_n_tokens=5)
     neutral, message = UNSUPPORTED[name]
     value = next(v for v in (True, False, 2, ["x"], "x")
                  if not any(_same(v, n) for n in neutral))
@@ -217,10 +216,10 @@ def test_each_unimplemented_field_is_refused_unless_neutral(name):
         make = (lambda **f: chat_request("hi", **f)) if chat else \
             (lambda **f: CompletionRequest(model="m", prompt="hi", **f))
         with pytest.raises(ApiError) as err:
-            params(limits, 4, make(**{name: value}), chat, num_prompt_tokens=3)
+            params(LIMITS, 4, make(**{name: value}), chat, num_prompt_tokens=3)
         assert err.value.message == message and err.value.status == 400
         for ok in neutral:
-            params(limits, 4, make(**{name: ok}), chat, num_prompt_tokens=3)
+            params(LIMITS, 4, make(**{name: ok}), chat, num_prompt_tokens=3)
 
 
 def test_tool_choice_names_a_function_in_each_client_s_shape():
@@ -245,30 +244,26 @@ def test_tool_choice_names_a_function_in_each_client_s_shape():
 
 
 def test_vllm_stop_extensions_reach_the_engine():
-    limits = Limits(max_input_tokens=100, max_total_tokens=128, max_stop_sequences=4,
-                    max_best_of=2, max_top_n_tokens=5)
-    got = params(limits, 4, chat_request("hi", stop_token_ids=[5, 7], stop=["x"],
+    got = params(LIMITS, 4, chat_request("hi", stop_token_ids=[5, 7], stop=["x"],
                                          include_stop_str_in_output=True,
                                          skip_special_tokens=False), True, num_prompt_tokens=3)
     assert (got.stop_token_ids, got.stop, got.include_stop_str_in_output,
             got.skip_special_tokens) == ((5, 7), ("x",), True, False)
-    plain = params(limits, 4, CompletionRequest(model="m", prompt="hi"), False,
+    plain = params(LIMITS, 4, CompletionRequest(model="m", prompt="hi"), False,
                    num_prompt_tokens=3)
     assert (plain.stop_token_ids, plain.include_stop_str_in_output,
             plain.skip_special_tokens) == ((), False, True)
 
 
 def test_logit_bias_is_parsed_checked_and_sized_against_the_vocabulary(tokenizer):
-    limits = Limits(max_input_tokens=100, max_total_tokens=128, max_stop_sequences=4,
-                    max_best_of=2, max_top_n_tokens=5)
-    got = params(limits, 4, CompletionRequest(model="m", prompt="hi",
+    got = params(LIMITS, 4, CompletionRequest(model="m", prompt="hi",
                                               logit_bias={"7": 5, "3": -100.0}), False, 3)
     assert got.logit_bias == ((3, -100.0), (7, 5.0))
     for bias, message in (({"x": 1}, "keys must be token ids"),
                           ({"-1": 1}, "keys must be token ids"),
                           ({"5": 101}, "between -100 and 100")):
         with pytest.raises(ApiError, match=message):
-            params(limits, 4, CompletionRequest(model="m", prompt="hi", logit_bias=bias),
+            params(LIMITS, 4, CompletionRequest(model="m", prompt="hi", logit_bias=bias),
                    False, 3)
     vocab = len(tokenizer)
     check_token_ids(tokenizer, got)
