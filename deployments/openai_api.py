@@ -29,6 +29,7 @@ from deployments.generation import (
     stream,
 )
 from deployments.grammar import GrammarChecker, InvalidGrammar
+from engine.detokenizer import IncrementalDetokenizer
 from engine.request import FinishReason
 from shards.checkpoints.adapters import AdapterError
 
@@ -156,14 +157,18 @@ class OpenAIApi:
                 request, schema.ChatRequest if chat else schema.CompletionRequest)
             adapter = await self.adapter(req.model)
             constraint, tool_calls = await self._grammar(req, chat)
-            runs = []
-            for prompt_ids in schema.prompts(self.tokenizer, req, chat):
+            runs, echoes = [], []
+            prompt_ids_list = schema.prompts(self.tokenizer, req, chat)
+            texts = schema.prompt_texts(req) if not chat and req.echo else []
+            for k, prompt_ids in enumerate(prompt_ids_list):
                 params = schema.params(self.limits, self.max_n, req, chat, len(prompt_ids))
                 schema.check_token_ids(self.tokenizer, params)
+                echo = _Echo.of(self.tokenizer, prompt_ids, texts[k]) if texts else None
                 for i in range(req.n):
                     seed = params.seed + i if params.seed is not None else random.getrandbits(63)
                     runs.append(Generation(new_request_id(), prompt_ids, dataclasses.replace(
                         params, seed=seed, grammar=constraint, adapter=adapter)))
+                    echoes.append(echo)
             self.admission.admit()
         except AdapterNotFound as exc:
             return not_found(str(exc))
@@ -172,7 +177,7 @@ class OpenAIApi:
         rid = new_request_id("chatcmpl-" if chat else "cmpl-")
         want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
         view = _View(self, rid, req.model or self.model_name, chat, want_logprobs,
-                     tool_calls)
+                     tool_calls, echoes)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(view.events(runs, include_usage),
@@ -188,6 +193,30 @@ class OpenAIApi:
             self.admission.release()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Echo:
+    """What `echo` puts before a completion: the prompt as the client sent it (its text, or
+    the decode of its ids), and the prompt's tokens as text."""
+
+    text: str
+    pieces: list[str]
+
+    @classmethod
+    def of(cls, tokenizer: Any, prompt_ids: list[int], text: str | None) -> _Echo:
+        detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
+        pieces = [detok.step(t) for t in prompt_ids]
+        pieces[-1] += detok.flush()
+        return cls("".join(pieces) if text is None else text, pieces)
+
+
+def _offsets(pieces: list[str], start: int) -> list[int]:
+    offsets = []
+    for piece in pieces:
+        offsets.append(start)
+        start += len(piece)
+    return offsets
+
+
 @dataclasses.dataclass
 class _View:
     api: OpenAIApi
@@ -196,6 +225,7 @@ class _View:
     chat: bool
     want_logprobs: bool
     tool_calls: bool  # the output is a tool call (openai_tools.py)
+    echoes: list[_Echo | None]  # per run, with `echo`: the prompt to put first
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
@@ -208,7 +238,9 @@ class _View:
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model,
                 "system_fingerprint": "raygen", "choices": choices}
 
-    def _logprobs(self, g: Generation, start: int, end: int) -> dict | None:
+    def _logprobs(self, index: int, g: Generation, start: int, end: int) -> dict | None:
+        """The logprobs of output tokens start..end of run `index` (`g`); with `echo`, and
+        start 0, its prompt's before them (the first prompt token has none)."""
         if not self.want_logprobs:
             return None
         decode = self.api.tokenizer.decode
@@ -220,14 +252,20 @@ class _View:
                                    "bytes": list(decode([i]).encode())} for i, v in top]}
                 for t, lp, top in zip(tokens, g.logprobs[start:end], g.top_logprobs[start:end],
                                       strict=True)]}
-        offsets, pos = [], len("".join(g.token_texts[:start]))
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return {"tokens": tokens, "token_logprobs": g.logprobs[start:end],
-                "top_logprobs": [{decode([i]): v for i, v in top}
-                                 for top in g.top_logprobs[start:end]],
-                "text_offset": offsets}
+        echo = self.echoes[index]
+        shift = len(echo.text) if echo else 0
+        out = {"tokens": tokens, "token_logprobs": g.logprobs[start:end],
+               "top_logprobs": [{decode([i]): v for i, v in top}
+                                for top in g.top_logprobs[start:end]],
+               "text_offset": _offsets(tokens, shift + len("".join(g.token_texts[:start])))}
+        if echo is None or start:
+            return out
+        tops = g.prompt_top_logprobs or [None] + [[]] * (len(echo.pieces) - 1)
+        return {"tokens": echo.pieces + out["tokens"],
+                "token_logprobs": list(g.prompt_logprobs) + out["token_logprobs"],
+                "top_logprobs": [None if top is None else {decode([i]): v for i, v in top}
+                                 for top in tops] + out["top_logprobs"],
+                "text_offset": _offsets(echo.pieces, 0) + out["text_offset"]}
 
     def usage(self, runs: list[Generation]) -> dict:
         firsts = list({id(g.prompt_token_ids): g for g in reversed(runs)}.values())  # per prompt
@@ -242,7 +280,7 @@ class _View:
         choices = []
         for index, g in enumerate(runs):
             choice: dict[str, Any] = {"index": index, "finish_reason": _finish(g.finish_reason),
-                                      "logprobs": self._logprobs(g, 0, len(g.token_ids))}
+                                      "logprobs": self._logprobs(index, g, 0, len(g.token_ids))}
             if self.tool_calls:
                 content, calls = tools.message(g.text)
                 choice["message"] = {"role": "assistant", "content": content}
@@ -252,7 +290,8 @@ class _View:
             elif self.chat:
                 choice["message"] = {"role": "assistant", "content": g.text}
             else:
-                choice["text"] = g.text
+                echo = self.echoes[index]
+                choice["text"] = (echo.text if echo else "") + g.text
             choices.append(choice)
         return {**self._envelope(choices, chunk=False), "usage": self.usage(runs)}
 
@@ -283,16 +322,21 @@ class _View:
                     break
                 g = runs[index]
                 end = len(g.token_ids)
-                logprobs = self._logprobs(g, end - len(output.token_ids), end)
+                start = end - len(output.token_ids)
+                logprobs = self._logprobs(index, g, start, end)
                 finish = _finish(output.finish_reason) if output.finished else None
                 if self.tool_calls:
                     for delta, why, lp in calls[index].chunks(output, finish, logprobs):
                         yield _sse(self._envelope([{"index": index, "delta": delta,
                                                     "finish_reason": why, "logprobs": lp}],
                                                   chunk=True))
-                elif output.text or finish or logprobs:
-                    delta = {"content": output.text} if self.chat else output.text
-                    yield _sse(self._chunk(index, delta, finish, logprobs))
+                else:
+                    text = output.text
+                    if start == 0 and self.echoes[index]:  # the prompt, in the first chunk
+                        text = self.echoes[index].text + text
+                    if text or finish or logprobs:
+                        delta = {"content": text} if self.chat else text
+                        yield _sse(self._chunk(index, delta, finish, logprobs))
                 remaining -= output.finished
                 if output.finished:
                     self.api.admission.succeeded(g, self.route)

@@ -46,7 +46,7 @@ class ResponseFormat(BaseModel):
 _OFF = (None, False, "", {}, [])
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name: (values that change nothing, refusal)
     "suffix": (_OFF, "suffix is not supported"),
-    "echo": (_OFF, "echo is not supported"),
+    "echo": (_OFF, "echo is not supported on chat completions"),
     "best_of": ((None, 1), "best_of is not supported on /v1/completions; use n, or TGI's best_of"),
     "min_tokens": ((None, 0), "min_tokens is not supported"),
     "use_beam_search": (_OFF, "beam search is not supported"),
@@ -67,8 +67,9 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name: (values that change nothi
     "logits_processors": (_OFF, "logits_processors is not supported"),
     "spaces_between_special_tokens": ((None, True),
                                       "spaces_between_special_tokens=false is not supported"),
-    "prompt_logprobs": ((None, 0), "prompt_logprobs is not supported on OpenAI routes; "
-                                   "use TGI's decoder_input_details"),
+    "prompt_logprobs": ((None, 0), "prompt_logprobs is not supported; use echo with "
+                                   "logprobs on /v1/completions, or TGI's "
+                                   "decoder_input_details"),
     "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens is not supported; "
                                         "use TGI's truncate"),
     "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not supported"),
@@ -129,6 +130,9 @@ class _Common(BaseModel):
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
+    # The prompt before each completion; with logprobs, the prompt tokens' logprobs too
+    # (each given the tokens before it), as lm-evaluation-harness scores choices.
+    echo: bool = False
 
 
 class ChatMessage(BaseModel):
@@ -267,6 +271,7 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
         top_n, field = req.logprobs or 0, "logprobs"
     if not 0 <= top_n <= limits.max_top_n_tokens:
         raise bad(f"{field} must be between 0 and {limits.max_top_n_tokens}")
+    score_prompt = not chat and req.echo and req.logprobs is not None
     if num_prompt_tokens > limits.max_input_tokens:
         raise bad(f"This model's maximum input length is {limits.max_input_tokens} tokens; "
                          f"the prompt has {num_prompt_tokens}")
@@ -289,7 +294,17 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         seed=req.seed, stop=tuple(stop), top_n_tokens=top_n, ignore_eos=req.ignore_eos,
         stop_token_ids=stop_token_ids, include_stop_str_in_output=req.include_stop_str_in_output,
-        skip_special_tokens=req.skip_special_tokens, logit_bias=tuple(sorted(bias.items())))
+        skip_special_tokens=req.skip_special_tokens, logit_bias=tuple(sorted(bias.items())),
+        prompt_logprobs=score_prompt, prompt_top_n_tokens=top_n if score_prompt else 0)
+
+
+def prompt_texts(req: CompletionRequest) -> list[str | None]:
+    """Per prompt of `prompts`, the text the client sent (None where it sent token ids)."""
+    if isinstance(req.prompt, str):
+        return [req.prompt]
+    return [p if isinstance(p, str) else None
+            for p in (req.prompt if req.prompt and not isinstance(req.prompt[0], int)
+                      else [req.prompt])]
 
 
 def check_token_ids(tok: Any, params: SamplingParams) -> None:

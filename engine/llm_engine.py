@@ -30,7 +30,9 @@ class Worker(Protocol):
 class _OutputState:
     detokenizer: IncrementalDetokenizer
     stop: StopChecker
-    prompt_logprobs: list[float] | None = None
+    # Per prompt token (None for the first, and until its step scores it), when asked.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_logprobs_sent: bool = False
     first_sent: bool = False
 
@@ -66,7 +68,8 @@ class LLMEngine:
         self._states[request_id] = _OutputState(
             IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens),
             StopChecker(params.stop, params.include_stop_str_in_output),
-            [] if params.prompt_logprobs else None,
+            [None] * len(prompt_token_ids) if params.prompt_logprobs else None,
+            [None] * len(prompt_token_ids) if params.prompt_top_n_tokens else None,
         )
 
     def add_adapter(self, name: str, path: str, in_use: Iterable[str] = ()) -> list[str]:
@@ -136,10 +139,14 @@ class LLMEngine:
         if output is None:
             self.scheduler.update(scheduled, None)
             return results
-        for request_id, logprobs in output.prompt_logprobs.items():
+        for request_id, scores in output.prompt_logprobs.items():
             state = self._states.get(request_id)
             if state is not None and state.prompt_logprobs is not None:
-                state.prompt_logprobs.extend(logprobs)
+                # By position: a request computed again after preemption scores again.
+                at = slice(scores.start + 1, scores.start + 1 + len(scores.logprobs))
+                state.prompt_logprobs[at] = scores.logprobs
+                if state.prompt_top_logprobs is not None:
+                    state.prompt_top_logprobs[at] = scores.top_logprobs
         for request_id, error in output.errors.items():
             request = self.scheduler.finish(request_id, FinishReason.ERROR)
             if request is not None and self._states.pop(request_id, None) is not None:
@@ -196,7 +203,9 @@ class LLMEngine:
             if request.first_scheduled_time is not None:
                 result.queue_time = request.first_scheduled_time - request.arrival_time
         if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
-            result.prompt_logprobs = [None, *state.prompt_logprobs]
+            result.prompt_logprobs = list(state.prompt_logprobs)
+            result.prompt_top_logprobs = (None if state.prompt_top_logprobs is None
+                                          else list(state.prompt_top_logprobs))
             state.prompt_logprobs_sent = True
         if finished:
             del self._states[request.request_id]

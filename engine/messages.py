@@ -72,6 +72,16 @@ class StepInput:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptScores:
+    """One request's prompt tokens scored in a step: the logprob of tokens start + 1 ...,
+    each given the tokens before it, and (when asked) the best alternatives there."""
+
+    start: int
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]  # one list a token; empty lists when not asked
+
+
+@dataclass(frozen=True, slots=True)
 class StepOutput:
     """Rank 0's result: one sampled token per request that reached its last token; a
     request that drafted has one row per token it keeps (its kept drafts, then the token
@@ -83,8 +93,8 @@ class StepOutput:
     logprobs: list[float]
     # Per row: (token id, logprob) alternatives, best first; empty when not asked.
     top_logprobs: list[list[tuple[int, float]]]
-    # Request id -> logprob of each prompt token computed this step that has one.
-    prompt_logprobs: dict[str, list[float]] = field(default_factory=dict)
+    # Request id -> its prompt tokens scored this step (those asked for prompt_logprobs).
+    prompt_logprobs: dict[str, PromptScores] = field(default_factory=dict)
     # Request id -> why it must end now (its grammar failed); its row is not a token.
     errors: dict[str, str] = field(default_factory=dict)
     # A multi-step with drafting: request id -> (draft tokens checked, of which kept).

@@ -23,6 +23,9 @@ class RequestOutput:
     # Set once, on the output that completes the prompt: logprob of each prompt token
     # given the ones before it (None for the first).
     prompt_logprobs: list[float | None] | None = None
+    # With it, when asked (prompt_top_n_tokens): the best alternatives at each prompt
+    # token, best first (None for the first token).
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     # Set once, on the first output: seconds from arrival to first scheduled.
     queue_time: float | None = None
     # Of token_ids, how many were speculation's drafts, checked and kept (the rest are the
@@ -42,6 +45,7 @@ class CompletionOutput:
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
     prompt_logprobs: list[float | None] | None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None
     num_cached_tokens: int
 
     @classmethod
@@ -58,5 +62,7 @@ class CompletionOutput:
             logprobs=[lp for o in outputs for lp in o.logprobs],
             top_logprobs=[tl for o in outputs for tl in o.top_logprobs],
             prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), None),
+            prompt_top_logprobs=next((o.prompt_top_logprobs for o in outputs
+                                      if o.prompt_top_logprobs), None),
             num_cached_tokens=first.num_cached_tokens,
         )

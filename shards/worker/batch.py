@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.messages import StepOutput
+from engine.messages import PromptScores, StepOutput
 from shards.model.attention import AttentionMetadata, PrefillSeq
 from shards.model.grammar import Grammars
 from shards.model.sampler import SampleRow, sample
@@ -61,8 +61,9 @@ class StepRows:
     lora_runs: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, first, end)
     logit_rows: list[int] = field(default_factory=list)  # hidden rows that need logits
     samples: list[Sample] = field(default_factory=list)
-    # request -> (its first row among the logits, the prompt tokens those rows predict)
-    prompt_rows: dict[str, tuple[int, list[int]]] = field(default_factory=dict)
+    # request -> (its first row among the logits, the position of that row, the prompt
+    # tokens those rows predict, how many alternatives to return with each)
+    prompt_rows: dict[str, tuple[int, int, list[int], int]] = field(default_factory=dict)
 
 
 def step_rows(seqs: dict, num_scheduled_tokens: dict[str, int],
@@ -97,8 +98,9 @@ def step_rows(seqs: dict, num_scheduled_tokens: dict[str, int],
                                   seq.block_ids[: -(-end // block_size)]))
         if seq.params.prompt_logprobs and start < seq.num_prompt_tokens - 1:
             count = min(end, seq.num_prompt_tokens - 1) - start
-            rows.prompt_rows[request_id] = (len(rows.logit_rows),
-                                            seq.token_ids[start + 1 : start + 1 + count])
+            rows.prompt_rows[request_id] = (len(rows.logit_rows), start,
+                                            seq.token_ids[start + 1 : start + 1 + count],
+                                            seq.params.prompt_top_n_tokens)
             rows.logit_rows.extend(range(row0, row0 + count))
         if end - len(draft) == len(seq.token_ids):
             # One row per token to draw: after the known tokens, then after each draft
@@ -115,7 +117,7 @@ def step_rows(seqs: dict, num_scheduled_tokens: dict[str, int],
 
 
 def make_output(logits: torch.Tensor | None, samples: list[Sample],
-                 prompt_rows: dict[str, tuple[int, list[int]]],
+                 prompt_rows: dict[str, tuple[int, int, list[int], int]],
                  grammars: Grammars | None) -> tuple[StepOutput, list[int]]:
     """Rank 0's output, and per sample row the token kept (-1: dropped, after a draft
     that differed from what was drawn)."""
@@ -141,19 +143,29 @@ def make_output(logits: torch.Tensor | None, samples: list[Sample],
             errors |= grammars.advance([(s.request_id, token) for s, token
                                         in zip(samples, kept, strict=True)
                                         if token >= 0 and s.request_id not in errors])
-    prompt_logprobs = {}
-    if prompt_rows:
-        logp = logits.float().log_softmax(dim=-1)
-        for request_id, (first, targets) in prompt_rows.items():
-            rows = torch.arange(first, first + len(targets), device=logits.device)
-            target_ids = torch.tensor(targets, device=logits.device)
-            prompt_logprobs[request_id] = logp[rows, target_ids].tolist()
+    prompt_logprobs = {request_id: score_prompt(logits, *scored)
+                       for request_id, scored in prompt_rows.items()}
     if result is None:
         return StepOutput([], [], [], [], prompt_logprobs), kept
     keep = [i for i, token in enumerate(kept) if token >= 0]
     return StepOutput([samples[i].request_id for i in keep], [kept[i] for i in keep],
                       [result.logprobs[i] for i in keep],
                       [result.top_logprobs[i] for i in keep], prompt_logprobs, errors), kept
+
+
+def score_prompt(logits: torch.Tensor, first: int, start: int, targets: list[int],
+                 top_n: int) -> PromptScores:
+    """A request's prompt rows (from logit row `first`, position `start`): each next
+    prompt token's logprob, and the `top_n` best tokens there (ties as topk orders them)."""
+    logp = logits[first : first + len(targets)].float().log_softmax(dim=-1)
+    target_ids = torch.tensor(targets, device=logits.device).unsqueeze(1)
+    chosen = logp.gather(1, target_ids).squeeze(1).tolist()
+    top: list[list[tuple[int, float]]] = [[] for _ in targets]
+    if top_n:
+        values, ids = logp.topk(top_n, dim=-1)
+        top = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(),
+                                                              strict=True)]
+    return PromptScores(start, chosen, top)
 
 
 def add_varlen(meta: AttentionMetadata, decodes, prefills, dev) -> None:

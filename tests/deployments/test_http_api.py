@@ -224,7 +224,7 @@ def test_openai_refuses_output_changing_fields_it_does_not_implement(app):
             "temperature": 0}
     for path, body, field in (
             ("/v1/completions", {**completion, "suffix": " end"}, "suffix"),
-            ("/v1/completions", {**completion, "echo": True}, "echo"),
+            ("/v1/chat/completions", {**chat, "echo": True}, "echo"),
             ("/v1/completions", {**completion, "best_of": 2}, "best_of"),
             ("/v1/chat/completions", {**chat, "guided_json": {"type": "object"}}, "guided_json"),
             ("/v1/chat/completions", {**chat, "functions": [{"name": "f"}]}, "functions"),
@@ -300,6 +300,56 @@ def test_openai_honours_logit_bias(app, tokenizer):
     assert first["choices"][0]["logprobs"]["tokens"][0] != tokenizer.decode(ids)
     r = post("/v1/completions", {**body, "logit_bias": {str(len(tokenizer) + 10): 1}})
     assert r.status_code == 400 and "logit_bias" in r.text
+
+
+def test_openai_echo_scores_the_prompt_as_lm_evaluation_harness_reads_it(app, llama_dir,
+                                                                          tokenizer):
+    """lm-evaluation-harness's loglikelihood request (token-id prompts, `echo`, `logprobs:
+    1`, one new token): each choice's logprobs start with its prompt's, the first None, the
+    others transformers' own; the best alternative at each token, equal to the token's
+    logprob where the token is the best (its `is_greedy`); offsets that index the text.
+    Streamed, the same text; `echo` without logprobs, the prompt's text before the answer."""
+    import torch
+
+    from tests.reference import hf_model, make_prompts
+
+    prompts = make_prompts(2048, [21, 9], seed=31)
+    body = {"model": "m", "prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True,
+            "temperature": 0, "seed": 1234}
+    r = post("/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+    model = hf_model(llama_dir)
+    for ids, choice in zip(prompts, choices, strict=True):
+        lp = choice["logprobs"]
+        text = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+        assert choice["text"].startswith(text) and len(choice["text"]) > len(text)
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(ids) + 1
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        with torch.inference_mode():
+            logp = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+        ref = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        assert torch.allclose(torch.tensor(lp["token_logprobs"][1:len(ids)]), ref, atol=1e-4)
+        for token_lp, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:], strict=True):
+            assert len(top) == 1 and max(top.values()) >= token_lp
+        # the answer's token is greedy's: the best one, so lm-eval's is_greedy holds
+        assert lp["token_logprobs"][-1] == max(lp["top_logprobs"][-1].values())
+        assert lp["tokens"][-1] == tokenizer.decode([logp[-1].argmax().item()])
+        assert all(choice["text"][o:o + len(t)] == t
+                   for o, t in zip(lp["text_offset"], lp["tokens"], strict=True))
+    streamed = ["", ""]
+    with httpx.stream("POST", BASE + "/v1/completions", json={**body, "stream": True},
+                      timeout=60) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                streamed[choice["index"]] += choice["text"]
+    assert streamed == [c["text"] for c in choices]
+    plain = post("/v1/completions", {"model": "m", "prompt": "Tona sefi mole", "echo": True,
+                                     "max_tokens": 3, "temperature": 0}).json()["choices"][0]
+    answer = post("/v1/completions", {"model": "m", "prompt": "Tona sefi mole",
+                                      "max_tokens": 3, "temperature": 0}).json()["choices"][0]
+    assert plain["text"] == "Tona sefi mole" + answer["text"] and plain["logprobs"] is None
 
 
 def test_openai_usage_reports_cached_prompt_tokens(app):

@@ -187,10 +187,12 @@ def test_tgi_grammar_takes_a_json_schema_config():
 
 
 def test_log_probability_fields_are_honoured_or_refused_by_name():
-    """`echo` is refused (it was accepted and ignored); `top_logprobs` without `logprobs`
-    would return none of what it asks for, so it is refused; each limit names its field."""
+    """`echo` with `logprobs` scores the prompt too (its tokens' logprobs and as many
+    alternatives as the output's), without them not; on chat it is refused. `top_logprobs`
+    without `logprobs` would return none of what it asks for, so it is refused; each
+    limit names its field."""
     for request, chat, message in (
-            (CompletionRequest(model="m", prompt="hi", echo=True), False, "echo is not supported"),
+            (chat_request("hi", echo=True), True, "echo is not supported on chat completions"),
             (CompletionRequest(model="m", prompt="hi", logprobs=6), False,
              "logprobs must be between 0 and 5"),
             (chat_request("hi", logprobs=True, top_logprobs=6), True,
@@ -201,6 +203,11 @@ def test_log_probability_fields_are_honoured_or_refused_by_name():
         assert err.value.message == message
     assert params(LIMITS, 4, CompletionRequest(model="m", prompt="hi", echo=False), False,
                   num_prompt_tokens=3).top_n_tokens == 0
+    for echo, logprobs, scored, top_n in ((True, 2, True, 2), (True, 0, True, 0),
+                                          (True, None, False, 0), (False, 2, False, 0)):
+        p = params(LIMITS, 4, CompletionRequest(model="m", prompt="hi", echo=echo,
+                                                logprobs=logprobs), False, num_prompt_tokens=3)
+        assert (p.prompt_logprobs, p.prompt_top_n_tokens) == (scored, top_n)
     assert params(LIMITS, 4, chat_request("hi", logprobs=True, top_logprobs=5), True,
                   num_prompt_tokens=3).top_n_tokens == 5
 
@@ -212,7 +219,9 @@ def test_each_unimplemented_field_is_refused_unless_neutral(name):
     neutral, message = UNSUPPORTED[name]
     value = next(v for v in (True, False, 2, ["x"], "x")
                  if not any(_same(v, n) for n in neutral))
-    for chat in (False, True):
+    # a field that a route's own schema declares is honoured there (echo on completions)
+    for chat in [c for c in (False, True)
+                 if name not in (ChatRequest if c else CompletionRequest).model_fields]:
         make = (lambda **f: chat_request("hi", **f)) if chat else \
             (lambda **f: CompletionRequest(model="m", prompt="hi", **f))
         with pytest.raises(ApiError) as err:

@@ -101,6 +101,18 @@ def test_openai_client(server, offline, tokenizer):
     stream = client.completions.create(model="m", prompt=prompt, max_tokens=10, temperature=0,
                                        stream=True)
     assert "".join(c.choices[0].text for c in stream) == expected
+    # lm-evaluation-harness's scoring request: the prompt's logprobs before the answer's
+    scored = client.completions.create(model="m", prompt=prompt, max_tokens=1, temperature=0,
+                                       logprobs=1, echo=True)
+    ids = tokenizer(prompt).input_ids
+    ref = offline.generate([ids], SamplingParams(max_new_tokens=1, prompt_logprobs=True,
+                                                 prompt_top_n_tokens=1))[0]
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text.startswith(prompt) and len(lp.tokens) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:-1] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-4)
+    assert [list(top) for top in lp.top_logprobs[1:-1]] == \
+        [[tokenizer.decode([t]) for t, _ in top] for top in ref.prompt_top_logprobs[1:]]
 
     messages = [{"role": "user", "content": "Tona sefi?"}]
     chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)

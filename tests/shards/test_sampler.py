@@ -142,15 +142,32 @@ def test_logprobs_match_transformers_scores(llm, llama_dir):
 
 
 def test_prompt_logprobs_match_transformers_across_chunks(llama_dir):
+    """Each prompt token's logprob, and (when asked: echo with logprobs) the best tokens
+    there, equal transformers' over a prompt prefilled in chunks beside another's."""
     llm = LLM(llama_dir, num_blocks=64, max_batch_prefill_tokens=16)
-    prompt = make_prompts(2048, [50], seed=24)[0]
-    out = llm.generate([prompt], SamplingParams(max_new_tokens=2, prompt_logprobs=True))[0]
-    with torch.inference_mode():
-        logits = hf_model(llama_dir)(torch.tensor([prompt])).logits[0]
-    ref = logits.log_softmax(-1)[torch.arange(49), torch.tensor(prompt[1:])]
-    assert out.prompt_logprobs[0] is None
-    assert len(out.prompt_logprobs) == len(prompt)
-    assert torch.allclose(torch.tensor(out.prompt_logprobs[1:]), ref, atol=1e-4)
+    prompt, other = make_prompts(2048, [50, 29], seed=24)
+    greedy = llm.generate([other], SamplingParams(max_new_tokens=8))[0].token_ids
+    other = other + greedy  # its last 8 tokens are each the model's best there
+    plain, top3 = llm.generate([prompt, other], [
+        SamplingParams(max_new_tokens=2, prompt_logprobs=True),
+        SamplingParams(max_new_tokens=2, prompt_logprobs=True, prompt_top_n_tokens=3)])
+    model = hf_model(llama_dir)
+    for out, ids in ((plain, prompt), (top3, other)):
+        with torch.inference_mode():
+            logp = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+        ref = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        assert out.prompt_logprobs[0] is None
+        assert len(out.prompt_logprobs) == len(ids)
+        assert torch.allclose(torch.tensor(out.prompt_logprobs[1:]), ref, atol=1e-4)
+    assert plain.prompt_top_logprobs is None
+    assert top3.prompt_top_logprobs[0] is None and len(top3.prompt_top_logprobs) == len(other)
+    for i, top in enumerate(top3.prompt_top_logprobs[1:]):
+        assert [t for t, _ in top] == logp[i].topk(3).indices.tolist()
+        assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+    # Where the prompt's token is the best one, its logprob is the best one's, to the bit
+    # (lm-evaluation-harness's is_greedy compares them).
+    for i in range(len(other) - 8, len(other)):
+        assert top3.prompt_top_logprobs[i][0] == (other[i], top3.prompt_logprobs[i])
 
 
 def test_logit_bias_is_added_first_and_only_to_its_row():
