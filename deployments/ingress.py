@@ -196,6 +196,10 @@ class Ingress:
     async def models(self, request: Request) -> Response:
         return await self.openai.models(request)
 
+    @app.get("/v1/models/{name:path}")
+    async def model(self, request: Request, name: str) -> Response:
+        return await self.openai.model(request, name)
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:
         return await self.openai.load_adapter(request)

@@ -85,6 +85,20 @@ class OpenAIApi:
             await self.adapters.refresh()
         return JSONResponse(models_json(self.model_name, list(self.limits.adapters)))
 
+    async def model(self, request: Request, name: str) -> Response:
+        """GET /v1/models/{name}: the base model or a LoRA adapter, as /v1/models lists it
+        (the `openai` client's `models.retrieve`); 404 for a name it does not list."""
+        try:
+            self.admission.check_auth(request)
+        except Exception as exc:
+            return self.error(exc)
+        if self.adapters is not None:
+            await self.adapters.refresh()
+        for entry in models_json(self.model_name, list(self.limits.adapters))["data"]:
+            if entry["id"] == name:
+                return JSONResponse(entry)
+        return not_found(f"The model `{name}` does not exist.")
+
     async def load_adapter(self, request: Request) -> Response:
         """vLLM's POST /v1/load_lora_adapter: serve the adapter at `lora_path` as
         `lora_name`; batcher replicas load it with the first request of it they get."""

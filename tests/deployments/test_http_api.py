@@ -373,6 +373,7 @@ def test_api_key_guards_every_route_but_health(app):
     for method, path, body in (("POST", "/locked/generate", {"inputs": "hi"}),
                                ("GET", "/locked/info", None), ("GET", "/locked/metrics", None),
                                ("GET", "/locked/v1/models", None),
+                               ("GET", "/locked/v1/models/m", None),
                                ("POST", "/locked/v1/completions", {"model": "m", "prompt": "hi"})):
         r = httpx.request(method, BASE + path, json=body, timeout=30)
         assert r.status_code == 401, path

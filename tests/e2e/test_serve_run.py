@@ -229,6 +229,10 @@ def test_lora_adapters_by_tgi_adapter_id_and_openai_model(server, llama_dir, ada
             openai_client.completions.create(model=model, prompt=prompt, max_tokens=2)
     listed = {m.id: getattr(m, "parent", None) for m in openai_client.models.list().data}
     assert listed == {"m": None, "alpha": "m", "beta": "m", "gamma": "m"}
+    assert [(m.id, getattr(m, "parent", None)) for m in map(
+        openai_client.models.retrieve, ("m", "beta"))] == [("m", None), ("beta", "m")]
+    with pytest.raises(NotFoundError, match="The model `zeta` does not exist"):
+        openai_client.models.retrieve("zeta")
     # Per adapter in /metrics: one TGI and two OpenAI requests each, 10 tokens apiece.
     want = [f'raygen_lora_requests_total{{adapter="{a}"}} 3.0' for a in ("alpha", "gamma")] \
         + [f'raygen_lora_generated_tokens_total{{adapter="{a}"}} 30.0' for a in ("alpha", "gamma")]
