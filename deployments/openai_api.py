@@ -158,6 +158,9 @@ class OpenAIApi:
             return None, False
         if req.ignore_eos:
             raise schema.bad("ignore_eos cannot be used with response_format or tools")
+        if req.min_tokens:
+            raise schema.bad("min_tokens cannot be used with response_format or tools: "
+                             "the grammar decides where the output ends")
         try:
             await self.grammars.check(constraint)
         except InvalidGrammar as exc:

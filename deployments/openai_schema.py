@@ -48,7 +48,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name: (values that change nothi
     "suffix": (_OFF, "suffix is not supported"),
     "echo": (_OFF, "echo is not supported on chat completions"),
     "best_of": ((None, 1), "best_of is not supported on /v1/completions; use n, or TGI's best_of"),
-    "min_tokens": ((None, 0), "min_tokens is not supported"),
     "use_beam_search": (_OFF, "beam search is not supported"),
     "length_penalty": ((None, 1), "length_penalty is not supported (no beam search)"),
     "guided_json": (_OFF, "guided_json is not supported; use response_format"),
@@ -117,6 +116,7 @@ class _Common(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     ignore_eos: bool = False  # vLLM's extension: exact output lengths for benchmarks
+    min_tokens: int = 0  # vLLM's: nothing ends the output before it has this many tokens
     top_k: int | None = None  # vLLM's extension; -1 or 0: off
     min_p: float = 0.0  # vLLM's extension; 0: off
     repetition_penalty: float | None = None  # vLLM's extension (HF's); 1: off
@@ -283,13 +283,16 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
         max_tokens = min(room, 1024) if chat else min(room, DEFAULT_MAX_TOKENS)
     if max_tokens < 1:
         raise bad(f"{field} must be at least 1, got {max_tokens}")
+    if not 0 <= req.min_tokens <= max_tokens:
+        raise bad(f"min_tokens must be between 0 and {field} ({max_tokens}), "
+                  f"got {req.min_tokens}")
     if max_tokens > room:
         raise bad(f"This model's maximum context length is {limits.max_total_tokens} tokens. "
                          f"However, you requested {num_prompt_tokens + max_tokens} tokens "
                          f"({num_prompt_tokens} in the prompt, {max_tokens} in the completion).")
     return SamplingParams(
-        max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-        min_p=req.min_p,
+        max_new_tokens=max_tokens, min_tokens=req.min_tokens, temperature=temperature,
+        top_p=top_p, top_k=top_k, min_p=req.min_p,
         repetition_penalty=repetition_penalty,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         seed=req.seed, stop=tuple(stop), top_n_tokens=top_n, ignore_eos=req.ignore_eos,

@@ -58,9 +58,13 @@ class StopChecker:
         self.text = ""
         self.num_emitted = 0
 
-    def append(self, piece: str) -> bool:
-        """Add text; True if a stop string now ends the output (text is then trimmed)."""
+    def append(self, piece: str, check: bool = True) -> bool:
+        """Add text; True if a stop string now ends the output (text is then trimmed).
+        Unchecked text (min_tokens) is never searched again."""
         if not piece:
+            return False
+        if not check:
+            self.text += piece
             return False
         search_from = max(0, len(self.text) - self.holdback)
         self.text += piece

@@ -170,6 +170,7 @@ class LLMEngine:
         state = self._states[request.request_id]
         token_ids, pieces = [], []
         finished = request.is_finished  # at its last row (eos, stop token, length)
+        before = request.num_output_tokens - len(rows)  # the request's tokens before these
         for i, row in enumerate(rows):
             token_ids.append(output.token_ids[row])
             piece = state.detokenizer.step(token_ids[-1])
@@ -177,7 +178,8 @@ class LLMEngine:
             if last and finished:
                 piece += state.detokenizer.flush()
             pieces.append(piece)
-            if state.stop.append(piece) and not finished:
+            held = before + i + 1 < request.params.min_tokens  # no stop string ends it yet
+            if state.stop.append(piece, check=not held) and not finished:
                 self.scheduler.finish(request.request_id, FinishReason.STOP_SEQUENCE)
                 finished = True
                 if not last:  # a stop string within this step's tokens: the rest go

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_new_tokens: int = 16
+    # vLLM's: no end-of-sequence token, stop token or stop string ends the output before
+    # it has this many tokens.
+    min_tokens: int = 0
     temperature: float = 0.0  # 0 means greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0
@@ -37,6 +40,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         checks = [
             (self.max_new_tokens >= 1, "max_new_tokens must be at least 1"),
+            (0 <= self.min_tokens <= self.max_new_tokens,
+             "min_tokens must be between 0 and max_new_tokens"),
+            (not (self.grammar and self.min_tokens),
+             "min_tokens cannot be used with a grammar (it decides where the output ends)"),
             (math.isfinite(self.temperature) and self.temperature >= 0, "temperature must be >= 0"),
             (self.top_k >= 0, "top_k must be >= 0"),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]"),

@@ -34,10 +34,13 @@ class SampleResult:
     top_logprobs: list[list[tuple[int, float]]]
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+def sample(logits: torch.Tensor, rows: list[SampleRow],
+           eos_token_ids: frozenset[int] = frozenset()) -> SampleResult:
     scores = logits.float()
     if any(r.params.logit_bias for r in rows):
         scores = _apply_logit_bias(scores, rows)
+    if any(r.position < r.params.min_tokens for r in rows):
+        scores = _hold_ends(scores, rows, eos_token_ids)
     if any(r.params.has_penalties for r in rows):
         scores = _apply_penalties(scores, rows)
     temps = [r.params.temperature for r in rows]
@@ -78,6 +81,22 @@ def _apply_logit_bias(scores: torch.Tensor, rows: list[SampleRow]) -> torch.Tens
             ids, values = zip(*r.params.logit_bias, strict=True)
             scores[i, list(ids)] += torch.tensor(values, dtype=scores.dtype,
                                                  device=scores.device)
+    return scores
+
+
+def _hold_ends(scores: torch.Tensor, rows: list[SampleRow],
+               eos_token_ids: frozenset[int]) -> torch.Tensor:
+    """min_tokens: a row that draws one of a request's first min_tokens tokens cannot draw
+    what would end it (its stop tokens, and end-of-sequence unless it ignores it)."""
+    scores = scores.clone()
+    for i, r in enumerate(rows):
+        if r.position < r.params.min_tokens:
+            ends = set(r.params.stop_token_ids)
+            if not r.params.ignore_eos:
+                ends |= eos_token_ids
+            ends = [t for t in ends if t < scores.shape[1]]
+            if ends:
+                scores[i, ends] = float("-inf")
     return scores
 
 

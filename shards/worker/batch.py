@@ -118,7 +118,8 @@ def step_rows(seqs: dict, num_scheduled_tokens: dict[str, int],
 
 def make_output(logits: torch.Tensor | None, samples: list[Sample],
                  prompt_rows: dict[str, tuple[int, int, list[int], int]],
-                 grammars: Grammars | None) -> tuple[StepOutput, list[int]]:
+                 grammars: Grammars | None,
+                 eos_token_ids: frozenset[int] = frozenset()) -> tuple[StepOutput, list[int]]:
     """Rank 0's output, and per sample row the token kept (-1: dropped, after a draft
     that differed from what was drawn)."""
     if logits is None:
@@ -131,7 +132,7 @@ def make_output(logits: torch.Tensor | None, samples: list[Sample],
         if grammars is not None:
             errors = grammars.mask(rows, [s.request_id for s in samples],
                                    [s.draft for s in samples])
-        result = sample(rows, [s.row for s in samples])
+        result = sample(rows, [s.row for s in samples], eos_token_ids)
         # A drafting request keeps its rows up to the first draft that differs from what
         # was drawn there; what is drawn is what decoding without drafts would draw.
         failed: set[str] = set()

@@ -337,7 +337,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[torch.tensor(rows.logit_rows, device=dev)])
         output, kept = None, None
         if self.tp.rank == 0:
-            output, kept = make_output(logits, rows.samples, rows.prompt_rows, self.grammars)
+            output, kept = make_output(logits, rows.samples, rows.prompt_rows, self.grammars,
+                                       self.model_config.eos_token_ids)
         if rows.samples:
             self._keep_sampled([s.request_id for s in rows.samples], kept)
         return output

@@ -267,8 +267,9 @@ def test_openai_honours_vllm_top_k_and_repetition_penalty(app):
 
 def test_openai_honours_vllm_stop_token_ids_and_include_stop_str(app):
     """vLLM's stop extensions, taken as the engine's own: a stop token ends the output
-    where it first comes (it counts as generated, as an EOS does); include_stop_str_in_output
-    keeps the stop string that trimmed text would lose."""
+    where it first comes (it counts as generated, as an EOS does), and not before
+    min_tokens; include_stop_str_in_output keeps the stop string that trimmed text would
+    lose."""
     body = {"model": "m", "prompt": "Tona sefi mole", "max_tokens": 12, "temperature": 0}
     ids = [t["id"] for t in post("/generate", {"inputs": body["prompt"], "parameters": {
         "max_new_tokens": 12, "details": True}}).json()["details"]["tokens"]]
@@ -283,6 +284,14 @@ def test_openai_honours_vllm_stop_token_ids_and_include_stop_str(app):
     assert kept.json()["choices"][0]["text"] == trimmed.json()["choices"][0]["text"] + stop
     assert kept.json()["choices"][0]["text"] == text[:text.index(stop) + len(stop)]
     assert post("/v1/completions", {**body, "stop_token_ids": [-1]}).status_code == 400
+    # min_tokens: the stop token is not drawn before 6 tokens (greedy draws another there)
+    held = post("/v1/completions", {**body, "stop_token_ids": [ids[at]], "min_tokens": 6})
+    assert held.json()["usage"]["completion_tokens"] >= 6, held.text
+    for extra, field in (({"min_tokens": 13}, "min_tokens must be between 0 and max_tokens"),
+                         ({"min_tokens": 2, "response_format": {"type": "json_object"}},
+                          "min_tokens cannot be used with response_format")):
+        r = post("/v1/completions", {**body, **extra})
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
 
 
 def test_openai_honours_logit_bias(app, tokenizer):

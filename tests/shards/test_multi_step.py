@@ -72,6 +72,12 @@ def test_a_request_leaves_the_multi_step_at_its_stop_token(llama_dir, prompts):
     # The shard drew nothing for it past its stop token; the other request went on.
     assert sum(rows.get("r0", 0) for _, rows in shard.steps) == first + 1
     assert len(got["r1"]) == 12 and any(n == 8 for n, _ in shard.steps)
+    # min_tokens past its first place: each step inside a multi-step holds it until the
+    # count, as single steps do
+    held = SamplingParams(max_new_tokens=12, stop_token_ids=(stop,), min_tokens=first + 2)
+    single = LLM(llama_dir, num_blocks=256).generate([prompts[0]], held)[0].token_ids
+    assert run(llm, prompts[:1], [held])["r0"] == single
+    assert len(single) > first + 1 and stop not in single[:first + 2]
 
 
 def test_sampled_and_scored_tokens_equal_one_step_at_a_time(llama_dir, prompts):

@@ -16,6 +16,7 @@ from transformers.generation.logits_process import (
 )
 
 from deployments.offline import LLM
+from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from shards.model.sampler import SampleRow, _apply_penalties, _warp, sample
 from tests.reference import hf_model, make_prompts
@@ -168,6 +169,49 @@ def test_prompt_logprobs_match_transformers_across_chunks(llama_dir):
     # (lm-evaluation-harness's is_greedy compares them).
     for i in range(len(other) - 8, len(other)):
         assert top3.prompt_top_logprobs[i][0] == (other[i], top3.prompt_logprobs[i])
+
+
+def test_min_tokens_holds_what_would_end_the_output():
+    """Rows drawing one of a request's first min_tokens tokens never draw its stop tokens
+    or EOS (EOS stays with ignore_eos, which does not end on it); later rows may."""
+    logits = torch.stack([LOGITS] * 4)
+    held = SamplingParams(max_new_tokens=8, min_tokens=3, stop_token_ids=(2,))
+    ignoring = SamplingParams(max_new_tokens=8, min_tokens=3, ignore_eos=True)
+    rows = [SampleRow(held, 1, 2, [1], 1), SampleRow(held, 1, 3, [1], 1),
+            SampleRow(ignoring, 1, 0, [1], 1), SampleRow(SamplingParams(), 1, 0, [1], 1)]
+    result = sample(logits, rows, eos_token_ids=frozenset({0}))
+    assert result.token_ids == [1, 0, 0, 0]  # 0 (EOS) and 2 held only in the first row
+    assert result.logprobs[1] == result.logprobs[3]  # an unheld row is untouched
+
+
+def test_min_tokens_equals_transformers_min_new_tokens(llm, llama_dir):
+    """vLLM's min_tokens against transformers' min_new_tokens on the same weights: a stop
+    token (transformers' eos here) the greedy output draws early is not drawn before the
+    count, and ends the output after it; a stop string is not looked for before it."""
+    from shards.model.config import ModelConfig
+
+    # A prompt whose greedy output draws, without min_tokens, its second token early and
+    # then (with it held) again after the count: both sides stop there.
+    prompt = make_prompts(2048, [15], seed=29)[0]
+    free = llm.generate([prompt], SamplingParams(max_new_tokens=24))[0]
+    end = free.token_ids[1]
+    ends = sorted({end, *ModelConfig.from_pretrained(llama_dir).eos_token_ids})
+    with torch.inference_mode():
+        ref = hf_model(llama_dir).generate(
+            torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=8, eos_token_id=ends,
+            pad_token_id=ends[0], do_sample=False, attention_mask=torch.ones(1, len(prompt)))
+    got = llm.generate([prompt], SamplingParams(max_new_tokens=24, min_tokens=8,
+                                                stop_token_ids=(end,)))[0]
+    assert got.token_ids == ref[0, len(prompt):].tolist()
+    assert end not in got.token_ids[:8] and got.token_ids[-1] == end and len(got.token_ids) < 24
+    assert got.finish_reason is FinishReason.STOP_SEQUENCE
+    stop = llm.tokenizer.decode(free.token_ids[1:2])
+    early = llm.generate([prompt], SamplingParams(max_new_tokens=24, stop=(stop,)))[0]
+    held = llm.generate([prompt], SamplingParams(max_new_tokens=24, min_tokens=8,
+                                                 stop=(stop,)))[0]
+    assert len(early.token_ids) == 2 and 8 <= len(held.token_ids) < 24
+    assert held.finish_reason is FinishReason.STOP_SEQUENCE
+    assert held.token_ids == free.token_ids[:len(held.token_ids)]
 
 
 def test_logit_bias_is_added_first_and_only_to_its_row():

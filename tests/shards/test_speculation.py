@@ -75,11 +75,11 @@ def test_greedy_output_is_the_same_with_drafts_in_fewer_steps(llm):
 
 
 def test_seeded_sampling_with_penalties_and_logprobs_is_the_same_with_drafts(llm):
-    # min_p and a logit bias (token 198 is "\n" in SmolLM2's vocabulary) are drawn the same
-    # way in draft rows too.
+    # min_p, a logit bias (token 198 is "\n" in SmolLM2's vocabulary) and min_tokens are
+    # drawn the same way in draft rows too.
     params = SamplingParams(max_new_tokens=40, temperature=0.7, top_p=0.9, seed=1234,
                             repetition_penalty=1.05, top_n_tokens=2, min_p=0.02,
-                            logit_bias=((198, -2.0),))
+                            logit_bias=((198, -2.0),), min_tokens=30)
     plain, _ = generate(llm, params, drafts=False)
     # The scheduler's drafts in single steps, and the shard's inside multi-steps.
     for steps in (1, 4):
