@@ -180,7 +180,8 @@ class OpenAIApi:
             for k, prompt_ids in enumerate(prompt_ids_list):
                 params = schema.params(self.limits, self.max_n, req, chat, len(prompt_ids))
                 schema.check_token_ids(self.tokenizer, params)
-                echo = _Echo.of(self.tokenizer, prompt_ids, texts[k]) if texts else None
+                echo = (_Echo.of(self.tokenizer, prompt_ids, texts[k],
+                                 schema.prompt_only(req, chat)) if texts else None)
                 for i in range(req.n):
                     seed = params.seed + i if params.seed is not None else random.getrandbits(63)
                     runs.append(Generation(new_request_id(), prompt_ids, dataclasses.replace(
@@ -213,17 +214,20 @@ class OpenAIApi:
 @dataclasses.dataclass(frozen=True)
 class _Echo:
     """What `echo` puts before a completion: the prompt as the client sent it (its text, or
-    the decode of its ids), and the prompt's tokens as text."""
+    the decode of its ids), and the prompt's tokens as text. `only`: no completion after it
+    (`max_tokens: 0`; the token drawn is dropped)."""
 
     text: str
     pieces: list[str]
+    only: bool = False
 
     @classmethod
-    def of(cls, tokenizer: Any, prompt_ids: list[int], text: str | None) -> _Echo:
+    def of(cls, tokenizer: Any, prompt_ids: list[int], text: str | None,
+           only: bool = False) -> _Echo:
         detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
         pieces = [detok.step(t) for t in prompt_ids]
         pieces[-1] += detok.flush()
-        return cls("".join(pieces) if text is None else text, pieces)
+        return cls("".join(pieces) if text is None else text, pieces, only)
 
 
 def _offsets(pieces: list[str], start: int) -> list[int]:
@@ -260,6 +264,8 @@ class _View:
         start 0, its prompt's before them (the first prompt token has none)."""
         if not self.want_logprobs:
             return None
+        if self._prompt_only(index):
+            end = start
         decode = self.api.tokenizer.decode
         tokens = g.token_texts[start:end]
         if self.chat:
@@ -284,10 +290,25 @@ class _View:
                                  for top in tops] + out["top_logprobs"],
                 "text_offset": _offsets(echo.pieces, 0) + out["text_offset"]}
 
+    def _prompt_only(self, index: int) -> bool:
+        echo = self.echoes[index]
+        return echo is not None and echo.only
+
+    def _finish(self, index: int, g: Generation) -> str | None:
+        return "length" if self._prompt_only(index) else _finish(g.finish_reason)
+
+    def _text(self, index: int, text: str, first: bool) -> str:
+        """A completion's text (or a streamed piece of it) as returned: with `echo`, the
+        prompt before the first piece; none of it with `max_tokens: 0`."""
+        echo = self.echoes[index]
+        if echo is None:
+            return text
+        return (echo.text if first else "") + ("" if echo.only else text)
+
     def usage(self, runs: list[Generation]) -> dict:
         firsts = list({id(g.prompt_token_ids): g for g in reversed(runs)}.values())  # per prompt
         prompt = sum(len(g.prompt_token_ids) for g in firsts)
-        completion = sum(len(g.token_ids) for g in runs)
+        completion = sum(len(g.token_ids) for i, g in enumerate(runs) if not self._prompt_only(i))
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {
@@ -296,7 +317,7 @@ class _View:
     def response(self, runs: list[Generation]) -> dict:
         choices = []
         for index, g in enumerate(runs):
-            choice: dict[str, Any] = {"index": index, "finish_reason": _finish(g.finish_reason),
+            choice: dict[str, Any] = {"index": index, "finish_reason": self._finish(index, g),
                                       "logprobs": self._logprobs(index, g, 0, len(g.token_ids))}
             if self.tool_calls:
                 content, calls = tools.message(g.text)
@@ -307,8 +328,7 @@ class _View:
             elif self.chat:
                 choice["message"] = {"role": "assistant", "content": g.text}
             else:
-                echo = self.echoes[index]
-                choice["text"] = (echo.text if echo else "") + g.text
+                choice["text"] = self._text(index, g.text, first=True)
             choices.append(choice)
         return {**self._envelope(choices, chunk=False), "usage": self.usage(runs)}
 
@@ -341,16 +361,14 @@ class _View:
                 end = len(g.token_ids)
                 start = end - len(output.token_ids)
                 logprobs = self._logprobs(index, g, start, end)
-                finish = _finish(output.finish_reason) if output.finished else None
+                finish = self._finish(index, g) if output.finished else None
                 if self.tool_calls:
                     for delta, why, lp in calls[index].chunks(output, finish, logprobs):
                         yield _sse(self._envelope([{"index": index, "delta": delta,
                                                     "finish_reason": why, "logprobs": lp}],
                                                   chunk=True))
                 else:
-                    text = output.text
-                    if start == 0 and self.echoes[index]:  # the prompt, in the first chunk
-                        text = self.echoes[index].text + text
+                    text = self._text(index, output.text, first=start == 0)
                     if text or finish or logprobs:
                         delta = {"content": text} if self.chat else text
                         yield _sse(self._chunk(index, delta, finish, logprobs))

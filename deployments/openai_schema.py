@@ -281,6 +281,8 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
         field, max_tokens = "max_completion_tokens", req.max_completion_tokens
     if max_tokens is None:
         max_tokens = min(room, 1024) if chat else min(room, DEFAULT_MAX_TOKENS)
+    if prompt_only(req, chat):  # one token is drawn (the prompt's last step) and not returned
+        max_tokens = 1
     if max_tokens < 1:
         raise bad(f"{field} must be at least 1, got {max_tokens}")
     if not 0 <= req.min_tokens <= max_tokens:
@@ -299,6 +301,12 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
         stop_token_ids=stop_token_ids, include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, logit_bias=tuple(sorted(bias.items())),
         prompt_logprobs=score_prompt, prompt_top_n_tokens=top_n if score_prompt else 0)
+
+
+def prompt_only(req: CompletionRequest | ChatRequest, chat: bool) -> bool:
+    """`echo` with `max_tokens: 0`: the prompt (and its logprobs) with no completion, the
+    request OpenAI's older scoring clients send."""
+    return not chat and req.echo and req.max_tokens == 0
 
 
 def prompt_texts(req: CompletionRequest) -> list[str | None]:

@@ -317,7 +317,8 @@ def test_openai_echo_scores_the_prompt_as_lm_evaluation_harness_reads_it(app, ll
     1`, one new token): each choice's logprobs start with its prompt's, the first None, the
     others transformers' own; the best alternative at each token, equal to the token's
     logprob where the token is the best (its `is_greedy`); offsets that index the text.
-    Streamed, the same text; `echo` without logprobs, the prompt's text before the answer."""
+    Streamed, the same text; `echo` without logprobs, the prompt's text before the answer;
+    with `max_tokens: 0`, the prompt and its logprobs alone."""
     import torch
 
     from tests.reference import hf_model, make_prompts
@@ -359,6 +360,21 @@ def test_openai_echo_scores_the_prompt_as_lm_evaluation_harness_reads_it(app, ll
     answer = post("/v1/completions", {"model": "m", "prompt": "Tona sefi mole",
                                       "max_tokens": 3, "temperature": 0}).json()["choices"][0]
     assert plain["text"] == "Tona sefi mole" + answer["text"] and plain["logprobs"] is None
+    # max_tokens 0 (OpenAI's older scoring request): the prompt and its logprobs alone
+    body = {**body, "prompt": prompts[0], "max_tokens": 0, "logprobs": 0}
+    alone = post("/v1/completions", body).json()
+    lp, scored = alone["choices"][0]["logprobs"], choices[0]["logprobs"]
+    assert alone["choices"][0]["text"] == tokenizer.decode(prompts[0],
+                                                           clean_up_tokenization_spaces=False)
+    assert lp["tokens"] == scored["tokens"][:-1] and lp["top_logprobs"][1:] == [{}] * 20
+    assert lp["token_logprobs"] == pytest.approx(scored["token_logprobs"][:-1], abs=1e-6)
+    assert alone["choices"][0]["finish_reason"] == "length"
+    assert alone["usage"]["completion_tokens"] == 0
+    chunks = [json.loads(line[6:]) for line in post("/v1/completions", {
+        **body, "stream": True}).text.splitlines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == alone["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert post("/v1/completions", {**body, "echo": False}).status_code == 400
 
 
 def test_openai_usage_reports_cached_prompt_tokens(app):

@@ -208,6 +208,10 @@ def test_log_probability_fields_are_honoured_or_refused_by_name():
         p = params(LIMITS, 4, CompletionRequest(model="m", prompt="hi", echo=echo,
                                                 logprobs=logprobs), False, num_prompt_tokens=3)
         assert (p.prompt_logprobs, p.prompt_top_n_tokens) == (scored, top_n)
+    # echo with max_tokens 0 scores the prompt: one token is drawn (and not returned)
+    assert params(LIMITS, 4, CompletionRequest(model="m", prompt="hi", echo=True, max_tokens=0,
+                                               logprobs=0), False,
+                  num_prompt_tokens=3).max_new_tokens == 1
     assert params(LIMITS, 4, chat_request("hi", logprobs=True, top_logprobs=5), True,
                   num_prompt_tokens=3).top_n_tokens == 5
 
