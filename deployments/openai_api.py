@@ -182,6 +182,9 @@ class OpenAIApi:
                 schema.check_token_ids(self.tokenizer, params)
                 echo = (_Echo.of(self.tokenizer, prompt_ids, texts[k],
                                  schema.prompt_only(req, chat)) if texts else None)
+                if tool_calls:  # parsed from the text: without the end token's, which is
+                    # all that skip_special_tokens=false would add to a call's JSON
+                    params = dataclasses.replace(params, skip_special_tokens=True)
                 for i in range(req.n):
                     seed = params.seed + i if params.seed is not None else random.getrandbits(63)
                     runs.append(Generation(new_request_id(), prompt_ids, dataclasses.replace(

@@ -437,6 +437,10 @@ def test_openai_tools_stream_and_not(openai_client, choice):
     assert deltas[0].id and deltas[0].function.name == call.function.name
     assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # vLLM's skip_special_tokens false: the same call (the end token is no part of it)
+    raw = openai_client.chat.completions.create(**kwargs,
+                                                extra_body={"skip_special_tokens": False})
+    assert raw.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
 
 
 def test_openai_tools_auto_and_none(openai_client):
