@@ -42,6 +42,7 @@ class Generation:
     finish_reason: FinishReason | None = None
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
     queue_time: float = 0.0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served
     start: float = field(default_factory=time.monotonic)
@@ -75,6 +76,7 @@ class Generation:
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = output.prompt_logprobs
             self.prompt_top_logprobs = output.prompt_top_logprobs
+            self.prompt_ranks = output.prompt_ranks
         if output.queue_time is not None:
             self.queue_time = output.queue_time
             self.num_cached_tokens = output.num_cached_tokens

@@ -180,7 +180,7 @@ class OpenAIApi:
             for k, prompt_ids in enumerate(prompt_ids_list):
                 params = schema.params(self.limits, self.max_n, req, chat, len(prompt_ids))
                 schema.check_token_ids(self.tokenizer, params)
-                echo = (_Echo.of(self.tokenizer, prompt_ids, texts[k],
+                echo = (_Echo.of(self.tokenizer, prompt_ids, texts[k], req.logprobs or 0,
                                  schema.prompt_only(req, chat)) if texts else None)
                 if tool_calls:  # parsed from the text: without the end token's, which is
                     # all that skip_special_tokens=false would add to a call's JSON
@@ -198,7 +198,7 @@ class OpenAIApi:
         rid = new_request_id("chatcmpl-" if chat else "cmpl-")
         want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
         view = _View(self, rid, req.model or self.model_name, chat, want_logprobs,
-                     tool_calls, echoes)
+                     tool_calls, echoes, req.prompt_logprobs)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return StreamingResponse(view.events(runs, include_usage),
@@ -222,15 +222,16 @@ class _Echo:
 
     text: str
     pieces: list[str]
+    top_n: int = 0  # alternatives at each prompt token (`logprobs`)
     only: bool = False
 
     @classmethod
-    def of(cls, tokenizer: Any, prompt_ids: list[int], text: str | None,
+    def of(cls, tokenizer: Any, prompt_ids: list[int], text: str | None, top_n: int = 0,
            only: bool = False) -> _Echo:
         detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
         pieces = [detok.step(t) for t in prompt_ids]
         pieces[-1] += detok.flush()
-        return cls("".join(pieces) if text is None else text, pieces, only)
+        return cls("".join(pieces) if text is None else text, pieces, top_n, only)
 
 
 def _offsets(pieces: list[str], start: int) -> list[int]:
@@ -250,6 +251,7 @@ class _View:
     want_logprobs: bool
     tool_calls: bool  # the output is a tool call (openai_tools.py)
     echoes: list[_Echo | None]  # per run, with `echo`: the prompt to put first
+    prompt_logprobs: int | None  # vLLM's: alternatives with each prompt token's logprob
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
@@ -289,7 +291,8 @@ class _View:
         tops = g.prompt_top_logprobs or [None] + [[]] * (len(echo.pieces) - 1)
         return {"tokens": echo.pieces + out["tokens"],
                 "token_logprobs": list(g.prompt_logprobs) + out["token_logprobs"],
-                "top_logprobs": [None if top is None else {decode([i]): v for i, v in top}
+                "top_logprobs": [None if top is None else
+                                 {decode([i]): v for i, v in top[:echo.top_n]}
                                  for top in tops] + out["top_logprobs"],
                 "text_offset": _offsets(echo.pieces, 0) + out["text_offset"]}
 
@@ -332,8 +335,32 @@ class _View:
                 choice["message"] = {"role": "assistant", "content": g.text}
             else:
                 choice["text"] = self._text(index, g.text, first=True)
+                if self.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._ranked_prompt(g)
             choices.append(choice)
-        return {**self._envelope(choices, chunk=False), "usage": self.usage(runs)}
+        body = {**self._envelope(choices, chunk=False), "usage": self.usage(runs)}
+        if self.chat and self.prompt_logprobs is not None:  # one prompt: vLLM puts it here
+            body["prompt_logprobs"] = self._ranked_prompt(runs[0])
+        return body
+
+    def _ranked_prompt(self, g: Generation) -> list[dict | None]:
+        """vLLM's prompt_logprobs: per prompt token (None for the first), by token id, its
+        logprob, rank and text, and the best alternatives' (ranks 1, 2, ...)."""
+        decode = self.api.tokenizer.decode
+
+        def entry(token: int, logprob: float, rank: int) -> dict:
+            return {"logprob": max(logprob, -9999.0), "rank": rank,
+                    "decoded_token": decode([token])}
+
+        tops = g.prompt_top_logprobs or [[] for _ in g.prompt_token_ids]
+        ranked: list[dict | None] = [None]
+        for i in range(1, len(g.prompt_token_ids)):
+            token = g.prompt_token_ids[i]
+            at = {str(token): entry(token, g.prompt_logprobs[i], g.prompt_ranks[i])}
+            for rank, (alt, logprob) in enumerate(tops[i][:self.prompt_logprobs], start=1):
+                at.setdefault(str(alt), entry(alt, logprob, rank))
+            ranked.append(at)
+        return ranked
 
     async def events(self, runs: list[Generation], include_usage: bool) -> AsyncIterator[bytes]:
         queue: asyncio.Queue = asyncio.Queue()

@@ -66,9 +66,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name: (values that change nothi
     "logits_processors": (_OFF, "logits_processors is not supported"),
     "spaces_between_special_tokens": ((None, True),
                                       "spaces_between_special_tokens=false is not supported"),
-    "prompt_logprobs": ((None, 0), "prompt_logprobs is not supported; use echo with "
-                                   "logprobs on /v1/completions, or TGI's "
-                                   "decoder_input_details"),
     "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens is not supported; "
                                         "use TGI's truncate"),
     "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not supported"),
@@ -117,6 +114,8 @@ class _Common(BaseModel):
     frequency_penalty: float = 0.0
     ignore_eos: bool = False  # vLLM's extension: exact output lengths for benchmarks
     min_tokens: int = 0  # vLLM's: nothing ends the output before it has this many tokens
+    # vLLM's: each prompt token's logprob and rank, with this many alternatives
+    prompt_logprobs: int | None = None
     top_k: int | None = None  # vLLM's extension; -1 or 0: off
     min_p: float = 0.0  # vLLM's extension; 0: off
     repetition_penalty: float | None = None  # vLLM's extension (HF's); 1: off
@@ -272,6 +271,11 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
     if not 0 <= top_n <= limits.max_top_n_tokens:
         raise bad(f"{field} must be between 0 and {limits.max_top_n_tokens}")
     score_prompt = not chat and req.echo and req.logprobs is not None
+    ranked = req.prompt_logprobs is not None
+    if ranked and not 0 <= req.prompt_logprobs <= limits.max_top_n_tokens:
+        raise bad(f"prompt_logprobs must be between 0 and {limits.max_top_n_tokens}")
+    if ranked and req.stream:
+        raise bad("prompt_logprobs is not available when streaming")
     if num_prompt_tokens > limits.max_input_tokens:
         raise bad(f"This model's maximum input length is {limits.max_input_tokens} tokens; "
                          f"the prompt has {num_prompt_tokens}")
@@ -300,7 +304,8 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
         seed=req.seed, stop=tuple(stop), top_n_tokens=top_n, ignore_eos=req.ignore_eos,
         stop_token_ids=stop_token_ids, include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, logit_bias=tuple(sorted(bias.items())),
-        prompt_logprobs=score_prompt, prompt_top_n_tokens=top_n if score_prompt else 0)
+        prompt_logprobs=score_prompt or ranked, prompt_ranks=ranked,
+        prompt_top_n_tokens=max(top_n if score_prompt else 0, req.prompt_logprobs or 0))
 
 
 def prompt_only(req: CompletionRequest | ChatRequest, chat: bool) -> bool:

@@ -33,6 +33,7 @@ class _OutputState:
     # Per prompt token (None for the first, and until its step scores it), when asked.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
     prompt_logprobs_sent: bool = False
     first_sent: bool = False
 
@@ -70,6 +71,7 @@ class LLMEngine:
             StopChecker(params.stop, params.include_stop_str_in_output),
             [None] * len(prompt_token_ids) if params.prompt_logprobs else None,
             [None] * len(prompt_token_ids) if params.prompt_top_n_tokens else None,
+            [None] * len(prompt_token_ids) if params.prompt_ranks else None,
         )
 
     def add_adapter(self, name: str, path: str, in_use: Iterable[str] = ()) -> list[str]:
@@ -147,6 +149,8 @@ class LLMEngine:
                 state.prompt_logprobs[at] = scores.logprobs
                 if state.prompt_top_logprobs is not None:
                     state.prompt_top_logprobs[at] = scores.top_logprobs
+                if state.prompt_ranks is not None:
+                    state.prompt_ranks[at] = scores.ranks
         for request_id, error in output.errors.items():
             request = self.scheduler.finish(request_id, FinishReason.ERROR)
             if request is not None and self._states.pop(request_id, None) is not None:
@@ -208,6 +212,8 @@ class LLMEngine:
             result.prompt_logprobs = list(state.prompt_logprobs)
             result.prompt_top_logprobs = (None if state.prompt_top_logprobs is None
                                           else list(state.prompt_top_logprobs))
+            result.prompt_ranks = (None if state.prompt_ranks is None
+                                   else list(state.prompt_ranks))
             state.prompt_logprobs_sent = True
         if finished:
             del self._states[request.request_id]

@@ -79,6 +79,7 @@ class PromptScores:
     start: int
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]  # one list a token; empty lists when not asked
+    ranks: list[int] = field(default_factory=list)  # 1 + the tokens more likely; when asked
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ class RequestOutput:
     # With it, when asked (prompt_top_n_tokens): the best alternatives at each prompt
     # token, best first (None for the first token).
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # and the tokens' ranks (prompt_ranks)
     # Set once, on the first output: seconds from arrival to first scheduled.
     queue_time: float | None = None
     # Of token_ids, how many were speculation's drafts, checked and kept (the rest are the
@@ -46,6 +47,7 @@ class CompletionOutput:
     top_logprobs: list[list[tuple[int, float]]]
     prompt_logprobs: list[float | None] | None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None
+    prompt_ranks: list[int | None] | None
     num_cached_tokens: int
 
     @classmethod
@@ -64,5 +66,6 @@ class CompletionOutput:
             prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs), None),
             prompt_top_logprobs=next((o.prompt_top_logprobs for o in outputs
                                       if o.prompt_top_logprobs), None),
+            prompt_ranks=next((o.prompt_ranks for o in outputs if o.prompt_ranks), None),
             num_cached_tokens=first.num_cached_tokens,
         )

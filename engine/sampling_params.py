@@ -28,6 +28,7 @@ class SamplingParams:
     top_n_tokens: int = 0  # alternatives returned with each token's logprob
     prompt_logprobs: bool = False
     prompt_top_n_tokens: int = 0  # alternatives returned with each prompt token's logprob
+    prompt_ranks: bool = False  # and each prompt token's rank in the vocabulary (1: the best)
     skip_special_tokens: bool = True
     # An llguidance grammar (JSON or Lark text, as `LLMatcher.grammar_from_*` make them):
     # each token is drawn from what it allows, and EOS only where it accepts.
@@ -55,8 +56,8 @@ class SamplingParams:
             (-2 <= self.presence_penalty <= 2, "presence_penalty must be in [-2, 2]"),
             (self.top_n_tokens >= 0, "top_n_tokens must be >= 0"),
             (self.prompt_top_n_tokens >= 0, "prompt_top_n_tokens must be >= 0"),
-            (self.prompt_logprobs or not self.prompt_top_n_tokens,
-             "prompt_top_n_tokens needs prompt_logprobs"),
+            (self.prompt_logprobs or not (self.prompt_top_n_tokens or self.prompt_ranks),
+             "prompt_top_n_tokens and prompt_ranks need prompt_logprobs"),
             (all(self.stop), "stop sequences must not be empty"),
             (not (self.grammar and self.ignore_eos), "ignore_eos cannot be used with a grammar"),
             (all(t >= 0 and math.isfinite(v) and -100 <= v <= 100 for t, v in self.logit_bias),

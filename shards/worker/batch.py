@@ -62,8 +62,9 @@ class StepRows:
     logit_rows: list[int] = field(default_factory=list)  # hidden rows that need logits
     samples: list[Sample] = field(default_factory=list)
     # request -> (its first row among the logits, the position of that row, the prompt
-    # tokens those rows predict, how many alternatives to return with each)
-    prompt_rows: dict[str, tuple[int, int, list[int], int]] = field(default_factory=dict)
+    # tokens those rows predict, how many alternatives to return with each, and whether
+    # their ranks)
+    prompt_rows: dict[str, tuple[int, int, list[int], int, bool]] = field(default_factory=dict)
 
 
 def step_rows(seqs: dict, num_scheduled_tokens: dict[str, int],
@@ -100,7 +101,8 @@ def step_rows(seqs: dict, num_scheduled_tokens: dict[str, int],
             count = min(end, seq.num_prompt_tokens - 1) - start
             rows.prompt_rows[request_id] = (len(rows.logit_rows), start,
                                             seq.token_ids[start + 1 : start + 1 + count],
-                                            seq.params.prompt_top_n_tokens)
+                                            seq.params.prompt_top_n_tokens,
+                                            seq.params.prompt_ranks)
             rows.logit_rows.extend(range(row0, row0 + count))
         if end - len(draft) == len(seq.token_ids):
             # One row per token to draw: after the known tokens, then after each draft
@@ -117,7 +119,7 @@ def step_rows(seqs: dict, num_scheduled_tokens: dict[str, int],
 
 
 def make_output(logits: torch.Tensor | None, samples: list[Sample],
-                 prompt_rows: dict[str, tuple[int, int, list[int], int]],
+                 prompt_rows: dict[str, tuple[int, int, list[int], int, bool]],
                  grammars: Grammars | None,
                  eos_token_ids: frozenset[int] = frozenset()) -> tuple[StepOutput, list[int]]:
     """Rank 0's output, and per sample row the token kept (-1: dropped, after a draft
@@ -155,18 +157,20 @@ def make_output(logits: torch.Tensor | None, samples: list[Sample],
 
 
 def score_prompt(logits: torch.Tensor, first: int, start: int, targets: list[int],
-                 top_n: int) -> PromptScores:
+                 top_n: int, ranks: bool) -> PromptScores:
     """A request's prompt rows (from logit row `first`, position `start`): each next
-    prompt token's logprob, and the `top_n` best tokens there (ties as topk orders them)."""
+    prompt token's logprob, the `top_n` best tokens there (ties as topk orders them), and
+    with `ranks` the token's rank (1 + the tokens more likely)."""
     logp = logits[first : first + len(targets)].float().log_softmax(dim=-1)
     target_ids = torch.tensor(targets, device=logits.device).unsqueeze(1)
-    chosen = logp.gather(1, target_ids).squeeze(1).tolist()
+    chosen = logp.gather(1, target_ids)
     top: list[list[tuple[int, float]]] = [[] for _ in targets]
     if top_n:
         values, ids = logp.topk(top_n, dim=-1)
         top = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(),
                                                               strict=True)]
-    return PromptScores(start, chosen, top)
+    rank = ((logp > chosen).sum(dim=-1) + 1).tolist() if ranks else []
+    return PromptScores(start, chosen.squeeze(1).tolist(), top, rank)
 
 
 def add_varlen(meta: AttentionMetadata, decodes, prefills, dev) -> None:

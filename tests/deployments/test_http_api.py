@@ -377,6 +377,41 @@ def test_openai_echo_scores_the_prompt_as_lm_evaluation_harness_reads_it(app, ll
     assert post("/v1/completions", {**body, "echo": False}).status_code == 400
 
 
+def test_openai_honours_vllm_prompt_logprobs(app, llama_dir, tokenizer):
+    """vLLM's prompt_logprobs: per prompt token (None for the first), keyed by token id,
+    its logprob (transformers'), rank and text, then the best alternatives with ranks 1..k;
+    on a completion's choice, at the top of a chat response; refused when streaming."""
+    import torch
+
+    from tests.reference import hf_model, make_prompts
+
+    ids = make_prompts(2048, [14], seed=32)[0]
+    r = post("/v1/completions", {"model": "m", "prompt": ids, "max_tokens": 2,
+                                 "temperature": 0, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    ranked = r.json()["choices"][0]["prompt_logprobs"]
+    with torch.inference_mode():
+        logp = hf_model(llama_dir)(torch.tensor([ids])).logits[0].log_softmax(-1)
+    assert ranked[0] is None and len(ranked) == len(ids)
+    for i, at in enumerate(ranked[1:]):
+        own = at[str(ids[i + 1])]
+        assert own["logprob"] == pytest.approx(logp[i, ids[i + 1]].item(), abs=1e-4)
+        assert own["decoded_token"] == tokenizer.decode([ids[i + 1]])
+        best = logp[i].topk(2).indices.tolist()
+        assert [at[str(t)]["rank"] for t in best] == [1, 2]
+        assert len(at) == (2 if ids[i + 1] in best else 3)
+        lp = logp[i, ids[i + 1]]  # 1 + the tokens more likely, give or take near-ties
+        assert 1 + (logp[i] > lp + 1e-4).sum() <= own["rank"] <= 1 + (logp[i] > lp - 1e-4).sum()
+    chat = post("/v1/chat/completions", {"model": "m", "messages": [
+        {"role": "user", "content": "Tona sefi"}], "max_tokens": 2, "prompt_logprobs": 0})
+    body = chat.json()
+    assert body["prompt_logprobs"][0] is None and body["usage"]["prompt_tokens"] == \
+        len(body["prompt_logprobs"]) and all(len(at) == 1 for at in body["prompt_logprobs"][1:])
+    for payload in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": 6}):
+        r = post("/v1/completions", {"model": "m", "prompt": "hi", **payload})
+        assert r.status_code == 400 and "prompt_logprobs" in r.json()["error"]["message"]
+
+
 def test_openai_usage_reports_cached_prompt_tokens(app):
     from tests.reference import make_prompts
 

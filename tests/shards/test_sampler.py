@@ -151,7 +151,8 @@ def test_prompt_logprobs_match_transformers_across_chunks(llama_dir):
     other = other + greedy  # its last 8 tokens are each the model's best there
     plain, top3 = llm.generate([prompt, other], [
         SamplingParams(max_new_tokens=2, prompt_logprobs=True),
-        SamplingParams(max_new_tokens=2, prompt_logprobs=True, prompt_top_n_tokens=3)])
+        SamplingParams(max_new_tokens=2, prompt_logprobs=True, prompt_top_n_tokens=3,
+                       prompt_ranks=True)])
     model = hf_model(llama_dir)
     for out, ids in ((plain, prompt), (top3, other)):
         with torch.inference_mode():
@@ -161,6 +162,13 @@ def test_prompt_logprobs_match_transformers_across_chunks(llama_dir):
         assert len(out.prompt_logprobs) == len(ids)
         assert torch.allclose(torch.tensor(out.prompt_logprobs[1:]), ref, atol=1e-4)
     assert plain.prompt_top_logprobs is None
+    # each token's rank: 1 + the tokens transformers finds more likely there (give or take
+    # those within the two computations' difference of it)
+    surely = ((logp > ref[:, None] + 1e-4).sum(-1) + 1).tolist()
+    maybe = ((logp > ref[:, None] - 1e-4).sum(-1) + 1).tolist()
+    assert top3.prompt_ranks[0] is None
+    assert all(a <= r <= b for a, r, b in zip(surely, top3.prompt_ranks[1:], maybe, strict=True))
+    assert top3.prompt_ranks[-8:] == [1] * 8 and max(top3.prompt_ranks[1:]) > 1
     assert top3.prompt_top_logprobs[0] is None and len(top3.prompt_top_logprobs) == len(other)
     for i, top in enumerate(top3.prompt_top_logprobs[1:]):
         assert [t for t, _ in top] == logp[i].topk(3).indices.tolist()
