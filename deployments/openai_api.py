@@ -42,13 +42,15 @@ def error_response(status: int, message: str, error_type: str) -> JSONResponse:
                                    "code": error_type}}, status_code=status)
 
 
-def models_json(name: str, adapters: Iterable[str] = ()) -> dict:
-    """The base model, then each LoRA adapter with the base as its parent (as vLLM lists
-    them)."""
+def models_json(name: str, adapters: Iterable[str] = (), max_model_len: int | None = None
+                ) -> dict:
+    """The base model, then each LoRA adapter with the base as its parent, each with the
+    longest sequence it takes (as vLLM lists them: clients size prompts by it)."""
+    card = {"object": "model", "created": 0, "owned_by": "raygen", "root": name,
+            "max_model_len": max_model_len}
     return {"object": "list", "data": [
-        {"id": name, "object": "model", "created": 0, "owned_by": "raygen"},
-        *({"id": a, "object": "model", "created": 0, "owned_by": "raygen", "parent": name}
-          for a in adapters)]}
+        {"id": name, **card, "parent": None},
+        *({"id": a, **card, "parent": name} for a in adapters)]}
 
 
 def not_found(message: str) -> JSONResponse:
@@ -83,7 +85,8 @@ class OpenAIApi:
             return self.error(exc)
         if self.adapters is not None:
             await self.adapters.refresh()
-        return JSONResponse(models_json(self.model_name, list(self.limits.adapters)))
+        return JSONResponse(models_json(self.model_name, list(self.limits.adapters),
+                                        self.limits.max_total_tokens))
 
     async def model(self, request: Request, name: str) -> Response:
         """GET /v1/models/{name}: the base model or a LoRA adapter, as /v1/models lists it
@@ -94,7 +97,8 @@ class OpenAIApi:
             return self.error(exc)
         if self.adapters is not None:
             await self.adapters.refresh()
-        for entry in models_json(self.model_name, list(self.limits.adapters))["data"]:
+        for entry in models_json(self.model_name, list(self.limits.adapters),
+                                 self.limits.max_total_tokens)["data"]:
             if entry["id"] == name:
                 return JSONResponse(entry)
         return not_found(f"The model `{name}` does not exist.")

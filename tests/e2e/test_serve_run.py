@@ -92,7 +92,8 @@ def test_text_generation_client(server, offline):
 
 def test_openai_client(server, offline, tokenizer):
     client = OpenAI(base_url=BASE + "/v1", api_key="unused")
-    assert client.models.list().data[0].id
+    card = client.models.list().data[0]  # with vLLM's max_model_len, which clients size by
+    assert card.id and card.max_model_len == httpx.get(BASE + "/info").json()["max_total_tokens"]
     prompt = PROMPTS[1]
     expected = offline.tokenizer.decode(greedy(offline, prompt, 10), skip_special_tokens=True)
     completion = client.completions.create(model="m", prompt=prompt, max_tokens=10, temperature=0)
