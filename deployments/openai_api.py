@@ -78,30 +78,29 @@ class OpenAIApi:
     def error(self, exc: Exception) -> JSONResponse:
         return error_response(*self.admission.failure(exc))
 
-    async def models(self, request: Request) -> Response:
-        try:
-            self.admission.check_auth(request)
-        except Exception as exc:
-            return self.error(exc)
+    async def _listed(self, request: Request) -> list[dict]:
+        """The model cards /v1/models lists, the adapters loaded anywhere included."""
+        self.admission.check_auth(request)
         if self.adapters is not None:
             await self.adapters.refresh()
-        return JSONResponse(models_json(self.model_name, list(self.limits.adapters),
-                                        self.limits.max_total_tokens))
+        return models_json(self.model_name, list(self.limits.adapters),
+                           self.limits.max_total_tokens)["data"]
+
+    async def models(self, request: Request) -> Response:
+        try:
+            return JSONResponse({"object": "list", "data": await self._listed(request)})
+        except Exception as exc:
+            return self.error(exc)
 
     async def model(self, request: Request, name: str) -> Response:
         """GET /v1/models/{name}: the base model or a LoRA adapter, as /v1/models lists it
         (the `openai` client's `models.retrieve`); 404 for a name it does not list."""
         try:
-            self.admission.check_auth(request)
+            cards = await self._listed(request)
         except Exception as exc:
             return self.error(exc)
-        if self.adapters is not None:
-            await self.adapters.refresh()
-        for entry in models_json(self.model_name, list(self.limits.adapters),
-                                 self.limits.max_total_tokens)["data"]:
-            if entry["id"] == name:
-                return JSONResponse(entry)
-        return not_found(f"The model `{name}` does not exist.")
+        return next((JSONResponse(card) for card in cards if card["id"] == name),
+                    not_found(f"The model `{name}` does not exist."))
 
     async def load_adapter(self, request: Request) -> Response:
         """vLLM's POST /v1/load_lora_adapter: serve the adapter at `lora_path` as
