@@ -203,8 +203,9 @@ class OpenAIApi:
         view = _View(self, rid, req.model or self.model_name, chat, want_logprobs,
                      tool_calls, echoes, req.prompt_logprobs)
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return StreamingResponse(view.events(runs, include_usage),
+            options = req.stream_options or schema.StreamOptions()
+            return StreamingResponse(view.events(runs, options.include_usage,
+                                                 options.continuous_usage_stats),
                                      media_type="text/event-stream")
         try:
             await collect_all(self.batcher, runs)
@@ -365,8 +366,20 @@ class _View:
             ranked.append(at)
         return ranked
 
-    async def events(self, runs: list[Generation], include_usage: bool) -> AsyncIterator[bytes]:
+    async def events(self, runs: list[Generation], include_usage: bool,
+                     continuous: bool = False) -> AsyncIterator[bytes]:
+        """SSE chunks as outputs come; with vLLM's continuous_usage_stats, each chunk carries
+        its choice's usage so far."""
         queue: asyncio.Queue = asyncio.Queue()
+
+        def sse(payload: dict, index: int) -> bytes:
+            if include_usage and continuous:
+                g = runs[index]
+                done = 0 if self._prompt_only(index) else len(g.token_ids)
+                payload["usage"] = {"prompt_tokens": len(g.prompt_token_ids),
+                                    "completion_tokens": done,
+                                    "total_tokens": len(g.prompt_token_ids) + done}
+            return _sse(payload)
 
         async def pump(index: int, g: Generation) -> None:
             try:
@@ -380,7 +393,7 @@ class _View:
         try:
             if self.chat:
                 for i in range(len(runs)):
-                    yield _sse(self._chunk(i, {"role": "assistant", "content": ""}, None, None))
+                    yield sse(self._chunk(i, {"role": "assistant", "content": ""}, None, None), i)
             remaining = len(runs)
             while remaining:
                 index, output, exc = await queue.get()
@@ -397,14 +410,14 @@ class _View:
                 finish = self._finish(index, g) if output.finished else None
                 if self.tool_calls:
                     for delta, why, lp in calls[index].chunks(output, finish, logprobs):
-                        yield _sse(self._envelope([{"index": index, "delta": delta,
-                                                    "finish_reason": why, "logprobs": lp}],
-                                                  chunk=True))
+                        yield sse(self._envelope([{"index": index, "delta": delta,
+                                                   "finish_reason": why, "logprobs": lp}],
+                                                 chunk=True), index)
                 else:
                     text = self._text(index, output.text, first=start == 0)
                     if text or finish or logprobs:
                         delta = {"content": text} if self.chat else text
-                        yield _sse(self._chunk(index, delta, finish, logprobs))
+                        yield sse(self._chunk(index, delta, finish, logprobs), index)
                 remaining -= output.finished
                 if output.finished:
                     self.api.admission.succeeded(g, self.route)

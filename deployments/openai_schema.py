@@ -17,6 +17,7 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, usage in every chunk
 
 
 class JsonSchemaFormat(BaseModel):

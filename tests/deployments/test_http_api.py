@@ -427,6 +427,16 @@ def test_openai_usage_reports_cached_prompt_tokens(app):
                                      "stream_options": {"include_usage": True}}).text.splitlines()
     chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
     assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+    assert all("usage" not in c for c in chunks[:-1])
+    # vLLM's continuous_usage_stats: each chunk's usage so far, up to the final one's
+    lines = post("/v1/chat/completions", {
+        "model": "m", "messages": [{"role": "user", "content": "Tona sefi"}], "max_tokens": 6,
+        "temperature": 0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}}).text
+    chunks = [json.loads(x[6:]) for x in lines.splitlines() if x.startswith("data: {")]
+    done = [c["usage"]["completion_tokens"] for c in chunks]
+    assert done[0] == 0 and done == sorted(done) and done[-1] == 6 == done[-2]
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {chunks[-1]["usage"]["prompt_tokens"]}
 
 
 def test_api_key_guards_every_route_but_health(app):
