@@ -221,21 +221,33 @@ class OpenAIApi:
 @dataclasses.dataclass(frozen=True)
 class _Echo:
     """What `echo` puts before a completion: the prompt as the client sent it (its text, or
-    the decode of its ids), and the prompt's tokens as text. `only`: no completion after it
-    (`max_tokens: 0`; the token drawn is dropped)."""
+    the decode of its ids), the prompt's tokens as text and where each starts in it. `only`:
+    no completion after it (`max_tokens: 0`; the token drawn is dropped)."""
 
     text: str
     pieces: list[str]
+    offsets: list[int]
     top_n: int = 0  # alternatives at each prompt token (`logprobs`)
     only: bool = False
 
     @classmethod
     def of(cls, tokenizer: Any, prompt_ids: list[int], text: str | None, top_n: int = 0,
            only: bool = False) -> _Echo:
-        detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
-        pieces = [detok.step(t) for t in prompt_ids]
-        pieces[-1] += detok.flush()
-        return cls("".join(pieces) if text is None else text, pieces, top_n, only)
+        pieces = _pieces(tokenizer, prompt_ids, skip_special_tokens=False)
+        offsets = _offsets(pieces, 0)
+        if text is not None:  # special tokens the tokenizer added (a BOS) are not in it
+            plain = _pieces(tokenizer, prompt_ids, skip_special_tokens=True)
+            if "".join(plain) == text:
+                offsets = _offsets(plain, 0)
+        return cls("".join(pieces) if text is None else text, pieces, offsets, top_n, only)
+
+
+def _pieces(tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> list[str]:
+    """Each token's text, as streaming would give it: the pieces join to the decode."""
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip_special_tokens)
+    pieces = [detok.step(t) for t in ids]
+    pieces[-1] += detok.flush()
+    return pieces
 
 
 def _offsets(pieces: list[str], start: int) -> list[int]:
@@ -298,7 +310,7 @@ class _View:
                 "top_logprobs": [None if top is None else
                                  {decode([i]): v for i, v in top[:echo.top_n]}
                                  for top in tops] + out["top_logprobs"],
-                "text_offset": _offsets(echo.pieces, 0) + out["text_offset"]}
+                "text_offset": echo.offsets + out["text_offset"]}
 
     def _prompt_only(self, index: int) -> bool:
         echo = self.echoes[index]

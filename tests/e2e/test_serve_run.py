@@ -110,6 +110,10 @@ def test_openai_client(server, offline, tokenizer):
                                                  prompt_top_n_tokens=1))[0]
     lp = scored.choices[0].logprobs
     assert scored.choices[0].text.startswith(prompt) and len(lp.tokens) == len(ids) + 1
+    # offsets index the text returned, past the BOS the tokenizer added and the text lacks
+    assert lp.tokens[0] == tokenizer.bos_token and lp.text_offset[:2] == [0, 0]
+    assert all(scored.choices[0].text[o:o + len(t)] == t
+               for o, t in zip(lp.text_offset[1:], lp.tokens[1:], strict=True))
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     assert lp.token_logprobs[1:-1] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-4)
     assert [list(top) for top in lp.top_logprobs[1:-1]] == \
