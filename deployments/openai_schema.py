@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+import jinja2
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments import grammar
@@ -70,10 +71,7 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name: (values that change nothi
     "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens is not supported; "
                                         "use TGI's truncate"),
     "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not supported"),
-    "add_generation_prompt": ((None, True), "add_generation_prompt=false is not supported"),
-    "continue_final_message": ((None, False), "continue_final_message is not supported"),
     "chat_template": ((None,), "chat_template is not supported: the tokenizer's is used"),
-    "chat_template_kwargs": (_OFF, "chat_template_kwargs is not supported"),
     "documents": (_OFF, "documents is not supported"),
     "guided_whitespace_pattern": (_OFF, "guided_whitespace_pattern is not supported"),
     "guided_decoding_backend": (_OFF, "guided_decoding_backend is not supported"),
@@ -177,6 +175,12 @@ class ChatRequest(_Common):
     # "none", "auto", "required", a function by object, or (TGI's) by its bare name
     tool_choice: NamedToolChoice | str | None = None
     parallel_tool_calls: bool | None = None  # each choice makes at most one call
+    # vLLM's, passed to the chat template: an assistant's turn opened after the messages
+    # (or not), the last (assistant) message continued instead, the template's own options
+    # (Qwen3's enable_thinking, say)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 def _content_text(content: str | list[dict[str, Any]] | None) -> str:
@@ -204,8 +208,22 @@ def prompts(tok: Any, req: CompletionRequest | ChatRequest, chat: bool) -> list[
                      **m.model_dump(include={"name", "tool_calls", "tool_call_id"},
                                     exclude_none=True)} for m in req.messages]
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
-                                       add_generation_prompt=True)
+        if req.continue_final_message and (req.add_generation_prompt
+                                           or req.messages[-1].role != "assistant"):
+            raise bad("continue_final_message needs add_generation_prompt=false and an "
+                      "assistant's message last")
+        options = dict(req.chat_template_kwargs or {})
+        taken = options.keys() & {"tools", "tokenize", "add_generation_prompt",
+                                  "continue_final_message", "messages", "conversation"}
+        if taken:
+            raise bad(f"chat_template_kwargs must not set {', '.join(sorted(taken))}")
+        try:
+            text = tok.apply_chat_template(
+                messages, tools=tools, tokenize=False,
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message, **options)
+        except (ValueError, TypeError, jinja2.TemplateError) as exc:  # the template's own
+            raise bad(f"the chat template failed: {exc}") from exc  # refusal, say
         return [tok(text, add_special_tokens=False).input_ids]
     prompt = req.prompt
     if prompt == "" or (isinstance(prompt, list) and any(p == "" for p in prompt)):

@@ -241,6 +241,16 @@ def test_openai_refuses_output_changing_fields_it_does_not_implement(app):
                        ("/v1/chat/completions", {**chat, "modalities": ["text"],
                                                  "metadata": {"k": "v"}})):
         assert post(path, body).status_code == 200, body
+    # vLLM's chat template options: an assistant's message continued, or a clear 400
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Tona"}]
+    continued = post("/v1/chat/completions", {**chat, "messages": turns,
+                                              "add_generation_prompt": False,
+                                              "continue_final_message": True})
+    assert continued.status_code == 200, continued.text
+    assert continued.json()["usage"]["prompt_tokens"] < post("/v1/chat/completions", {
+        **chat, "messages": turns}).json()["usage"]["prompt_tokens"]
+    r = post("/v1/chat/completions", {**chat, "continue_final_message": True})
+    assert r.status_code == 400 and "continue_final_message" in r.json()["error"]["message"]
 
 
 def test_openai_honours_vllm_top_k_and_repetition_penalty(app):

@@ -69,6 +69,40 @@ def chat_request(content, **fields) -> ChatRequest:
     return ChatRequest(model="m", messages=[{"role": "user", "content": content}], **fields)
 
 
+def test_chat_template_options_reach_the_template(tokenizer):
+    """vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs are
+    the tokenizer's own apply_chat_template arguments; what the template cannot take is a
+    400, not a server error."""
+    import copy
+
+    turns = [{"role": "user", "content": "Tona"}, {"role": "assistant", "content": "Sefi mo"}]
+
+    def ids(**fields) -> list[int]:
+        return prompts(tokenizer, ChatRequest(model="m", messages=turns, **fields), True)[0]
+
+    def ref(**kwargs) -> list[int]:
+        text = tokenizer.apply_chat_template(turns, tokenize=False, **kwargs)
+        return tokenizer(text, add_special_tokens=False).input_ids
+
+    assert ids() == ref(add_generation_prompt=True)
+    assert ids(add_generation_prompt=False) == ref(add_generation_prompt=False) != ids()
+    continued = ids(add_generation_prompt=False, continue_final_message=True)
+    assert continued == ref(continue_final_message=True) != ids(add_generation_prompt=False)
+    assert tokenizer.decode(continued).endswith("Sefi mo")  # the turn is left open
+    for fields, message in (({"continue_final_message": True}, "continue_final_message"),
+                            ({"chat_template_kwargs": {"tokenize": True}}, "tokenize")):
+        with pytest.raises(ApiError, match=message):
+            ids(**fields)
+    custom = copy.copy(tokenizer)  # a template that reads an option of its own
+    custom.chat_template = "{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}"
+    request = ChatRequest(model="m", messages=turns, chat_template_kwargs={"greeting": "Hi "})
+    assert custom.decode(prompts(custom, request, True)[0]) == "Hi TonaSefi mo"
+    custom.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(ApiError, match="roles must alternate"):
+        prompts(custom, request, True)
+    assert "raise_exception" not in tokenizer.chat_template  # the shared one untouched
+
+
 def test_chat_content_parts_are_text_or_refused(tokenizer):
     """Text parts join into the message's text; an image (or any part that is not text) is
     refused by name, not dropped: the answer would be to a question no one asked."""
