@@ -3,6 +3,7 @@ the engine's sampling parameters. Refusals are 400s in OpenAI's words."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Literal
 
 import jinja2
@@ -213,8 +214,10 @@ def prompts(tok: Any, req: CompletionRequest | ChatRequest, chat: bool) -> list[
             raise bad("continue_final_message needs add_generation_prompt=false and an "
                       "assistant's message last")
         options = dict(req.chat_template_kwargs or {})
-        taken = options.keys() & {"tools", "tokenize", "add_generation_prompt",
-                                  "continue_final_message", "messages", "conversation"}
+        # the template's own variables only: not apply_chat_template's arguments (a
+        # template of the request's own, tokenizing, ...)
+        taken = options.keys() & (set(inspect.signature(tok.apply_chat_template).parameters)
+                                  | {"messages"})
         if taken:
             raise bad(f"chat_template_kwargs must not set {', '.join(sorted(taken))}")
         try:

@@ -90,7 +90,9 @@ def test_chat_template_options_reach_the_template(tokenizer):
     assert continued == ref(continue_final_message=True) != ids(add_generation_prompt=False)
     assert tokenizer.decode(continued).endswith("Sefi mo")  # the turn is left open
     for fields, message in (({"continue_final_message": True}, "continue_final_message"),
-                            ({"chat_template_kwargs": {"tokenize": True}}, "tokenize")):
+                            ({"chat_template_kwargs": {"tokenize": True}}, "tokenize"),
+                            ({"chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+                             "chat_template")):
         with pytest.raises(ApiError, match=message):
             ids(**fields)
     custom = copy.copy(tokenizer)  # a template that reads an option of its own
