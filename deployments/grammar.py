@@ -92,6 +92,32 @@ def regex(pattern: Any) -> str:
     return llguidance.LLMatcher.grammar_from_regex(pattern)
 
 
+def choice(options: Any) -> str:
+    """The grammar of exactly one of `options` (vLLM's `choice`), each a literal string."""
+    import llguidance
+
+    if not isinstance(options, list) or not options or \
+            not all(isinstance(o, str) and o for o in options):
+        raise InvalidGrammar("a choice must be a list of non-empty strings")
+    return llguidance.LLMatcher.grammar_from_lark(
+        "start: " + " | ".join(json.dumps(o) for o in options))
+
+
+def context_free(text: Any) -> str:
+    """A context-free grammar in llama.cpp's GBNF (the EBNF that vLLM's xgrammar reads:
+    `root ::= ...`) or in Lark (what vLLM's guidance backend and llguidance read)."""
+    import llguidance
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    if not isinstance(text, str) or not text.strip():
+        raise InvalidGrammar("a grammar must be a non-empty string")
+    try:
+        lark = any_to_lark(text)
+    except Exception as exc:  # the converter's own parse errors, of several kinds
+        raise InvalidGrammar(f"neither Lark nor GBNF: {_first_line(str(exc))}") from exc
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
 class GrammarChecker:
     def __init__(self, model_dir: str, vocab_size: int, timeout_s: float):
         self.timeout_s = timeout_s

@@ -42,6 +42,27 @@ class ResponseFormat(BaseModel):
     value: Any = None  # TGI's
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (its StructuredOutputsParams): one constraint of `json` (a
+    schema), `regex`, `choice`, `grammar` (GBNF or Lark) or `json_object`. Its options:
+    raygen's JSON is compact and lists only a schema's properties whichever way
+    `disable_any_whitespace` and `disable_additional_properties` are set (the server's
+    choice, as for `response_format`), and it has no fallback for `disable_fallback` to
+    turn off; `whitespace_pattern` and `structural_tag` are refused."""
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    disable_fallback: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: Any = None
+
+
 # Fields of OpenAI's API or vLLM's extensions that would change the output and that this
 # server does not implement: refused unless at their neutral value, never ignored.
 # (Other unknown fields, e.g. `user`, `metadata`, `store`, change nothing and are ignored,
@@ -53,11 +74,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name: (values that change nothi
     "best_of": ((None, 1), "best_of is not supported on /v1/completions; use n, or TGI's best_of"),
     "use_beam_search": (_OFF, "beam search is not supported"),
     "length_penalty": ((None, 1), "length_penalty is not supported (no beam search)"),
-    "guided_json": (_OFF, "guided_json is not supported; use response_format"),
-    "guided_regex": (_OFF, "guided_regex is not supported; use response_format or TGI's grammar"),
-    "guided_choice": (_OFF, "guided_choice is not supported; use response_format"),
-    "guided_grammar": (_OFF, "guided_grammar is not supported; use TGI's grammar"),
-    "structured_outputs": (_OFF, "structured_outputs is not supported; use response_format"),
     "functions": (_OFF, "functions is not supported; use tools"),
     "function_call": (_OFF, "function_call is not supported; use tool_choice"),
     "prediction": (_OFF, "prediction is not supported"),
@@ -75,7 +91,8 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name: (values that change nothi
     "chat_template": ((None,), "chat_template is not supported: the tokenizer's is used"),
     "documents": (_OFF, "documents is not supported"),
     "guided_whitespace_pattern": (_OFF, "guided_whitespace_pattern is not supported"),
-    "guided_decoding_backend": (_OFF, "guided_decoding_backend is not supported"),
+    "guided_decoding_backend": (_OFF, "guided_decoding_backend is not supported: remove it "
+                                      "(vLLM's own advice since 0.12)"),
     "tool_prompt": (_OFF, "tool_prompt is not supported: the tools go to the chat template"),
 }
 
@@ -124,6 +141,12 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False  # vLLM's: keep the stop string in the text
     skip_special_tokens: bool = True  # vLLM's: False writes special tokens into the text
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
+    # vLLM's names for the same before 0.12 (clients written for them still send them)
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_Common):
@@ -355,11 +378,53 @@ def check_token_ids(tok: Any, params: SamplingParams) -> None:
             raise bad(f"logit_bias and stop_token_ids must name token ids in [0, {vocab})")
 
 
+# vLLM's constraint kinds, each made a grammar from its value
+_STRUCTURED = {"json": grammar.json_schema, "regex": grammar.regex, "choice": grammar.choice,
+               "grammar": grammar.context_free,
+               "json_object": lambda _: grammar.json_schema({"type": "object"})}
+
+
+def output_constraints(req: CompletionRequest | ChatRequest) -> dict[str, tuple[str, Any]]:
+    """Each field of the request that constrains the output: its name -> (its kind in
+    vLLM's words, its value). `response_format` counts as one unless of type text."""
+    found: dict[str, tuple[str, Any]] = {}
+    if req.response_format is not None and req.response_format.type != "text":
+        found["response_format"] = ("response_format", req.response_format)
+    so = req.structured_outputs
+    if so is not None:
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(so, name) is not None:
+                raise bad(f"structured_outputs.{name} is not supported")
+        for kind in _STRUCTURED:
+            value = so.json_ if kind == "json" else getattr(so, kind)
+            if value is not None and value is not False:
+                found[f"structured_outputs.{kind}"] = (kind, value)
+        if not any(name.startswith("structured_outputs.") for name in found):
+            raise bad("structured_outputs needs one of json, regex, choice, grammar or "
+                      "json_object")
+    for kind in ("json", "regex", "choice", "grammar"):
+        value = getattr(req, f"guided_{kind}")
+        if value is not None:
+            found[f"guided_{kind}"] = (kind, value)
+    return found
+
+
 def response_grammar(req: CompletionRequest | ChatRequest) -> str | None:
-    """The grammar `response_format` asks for (None: free text)."""
-    fmt = req.response_format
-    if fmt is None or fmt.type == "text":
+    """The grammar that `response_format`, vLLM's `structured_outputs` or its older
+    `guided_*` fields ask for (None: free text); more than one of them is refused."""
+    constraints = output_constraints(req)
+    if len(constraints) > 1:
+        raise bad("only one constraint on the output may be given, not "
+                  + " and ".join(constraints))
+    if not constraints:
         return None
+    (name, (kind, value)), = constraints.items()
+    if kind != "response_format":
+        try:
+            return _STRUCTURED[kind](value)
+        except grammar.InvalidGrammar as exc:
+            raise bad(f"Invalid {name}: {exc}") from exc
+    fmt = value
     if fmt.type == "regex":
         try:
             return grammar.regex(fmt.value)

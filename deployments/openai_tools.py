@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deployments import grammar
-from deployments.openai_schema import ChatRequest, NamedToolChoice, bad
+from deployments.openai_schema import ChatRequest, NamedToolChoice, bad, output_constraints
 
 NO_TOOL = "no_tool"
 _NO_TOOL_PARAMETERS = {"type": "object", "properties": {"content": {"type": "string"}},
@@ -39,7 +39,7 @@ def tool_grammar(req: ChatRequest) -> str | None:
         if choice not in (None, "none"):
             raise bad("tool_choice needs tools")
         return None
-    if req.response_format is not None and req.response_format.type != "text":
+    if output_constraints(req):
         raise bad("Grammar and tools are mutually exclusive")
     choice = choice or "auto"  # OpenAI's default when tools are given
     if choice == "none":

@@ -212,6 +212,83 @@ def test_response_format_takes_openai_s_and_tgi_s_shapes():
         assert err.value.status == 400 and message in err.value.message, err.value.message
 
 
+def test_vllm_structured_outputs_and_guided_fields_are_the_same_grammars():
+    """vLLM's `structured_outputs` (0.12 on) and its older `guided_*` fields: each kind is
+    the grammar the same constraint makes through `response_format` or directly."""
+    schema = {"type": "object", "properties": {"c": {"type": "integer"}}, "required": ["c"]}
+    gbnf = 'root ::= "yes" | "no"'
+    for kind, value, want in (
+            ("json", schema, grammar.json_schema(schema)),
+            ("json", json.dumps(schema), grammar.json_schema(schema)),
+            ("regex", "[0-9]{3}", grammar.regex("[0-9]{3}")),
+            ("choice", ["positive", "negative"], grammar.choice(["positive", "negative"])),
+            ("grammar", gbnf, grammar.context_free(gbnf))):
+        assert response_grammar(chat_request("hi", structured_outputs={kind: value})) == want
+        assert response_grammar(chat_request("hi", **{f"guided_{kind}": value})) == want
+        assert response_grammar(CompletionRequest(
+            model="m", prompt="hi", structured_outputs={kind: value})) == want
+    assert response_grammar(chat_request("hi", structured_outputs={"json_object": True})) == \
+        response_grammar(chat_request("hi", response_format={"type": "json_object"}))
+    # what raygen always does anyway: compact JSON, only the listed properties
+    assert response_grammar(chat_request("hi", structured_outputs={
+        "json": schema, "disable_any_whitespace": True, "disable_additional_properties": True,
+        "disable_fallback": True})) == grammar.json_schema(schema)
+    for fields, message in (
+            ({"structured_outputs": {"choice": ["a"]}, "guided_regex": "a"},
+             "only one constraint on the output may be given, not structured_outputs.choice "
+             "and guided_regex"),
+            ({"structured_outputs": {"regex": "a", "json_object": True}},
+             "not structured_outputs.regex and structured_outputs.json_object"),
+            ({"guided_json": schema, "response_format": {"type": "json_object"}},
+             "not response_format and guided_json"),
+            ({"structured_outputs": {}}, "structured_outputs needs one of json, regex"),
+            ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}},
+             "structured_outputs.whitespace_pattern is not supported"),
+            ({"structured_outputs": {"structural_tag": "{}"}},
+             "structured_outputs.structural_tag is not supported"),
+            ({"guided_choice": []}, "Invalid guided_choice: a choice must be a list"),
+            ({"structured_outputs": {"choice": ["a", ""]}}, "Invalid structured_outputs.choice"),
+            ({"guided_grammar": "root ::= ("}, "Invalid guided_grammar: neither Lark nor GBNF"),
+            ({"structured_outputs": {"json": "{nope"}},
+             "Invalid structured_outputs.json: the JSON schema is not valid JSON")):
+        with pytest.raises(ApiError) as err:
+            response_grammar(chat_request("hi", **fields))
+        assert err.value.status == 400 and message in err.value.message, err.value.message
+    with pytest.raises(ValueError, match="Extra inputs are not permitted"):  # a 422 served
+        chat_request("hi", structured_outputs={"choices": ["a"]})
+
+
+def test_choices_and_context_free_grammars_accept_exactly_their_language(llama_dir, tokenizer):
+    """A choice is one of its strings, whole (quotes and non-ASCII text included); a GBNF
+    grammar (llama.cpp's, the EBNF vLLM's xgrammar reads) and its Lark form (llguidance's)
+    accept the same texts."""
+    import llguidance
+
+    from shards.model.grammar import load_tokenizer
+
+    ll = load_tokenizer(llama_dir, len(tokenizer))
+
+    def accepted(text: str, document: str) -> bool:
+        matcher = llguidance.LLMatcher(ll, text, log_level=0)
+        assert not matcher.is_error(), matcher.get_error()
+        tokens = ll.tokenize_str(document)
+        return matcher.validate_tokens(tokens) == len(tokens) and \
+            matcher.consume_tokens(tokens) and matcher.is_accepting()
+
+    options = ["positive", "negative", 'a "quoted" café']
+    choice = grammar.choice(options)
+    for option in options:
+        assert accepted(choice, option)
+    for other in ("posit", "positive!", "neutral", "a quoted café"):
+        assert not accepted(choice, other)
+    gbnf = 'root ::= "id-" [0-9]+ ("," " "? "id-" [0-9]+)*'
+    lark = 'start: "id-" /[0-9]+/ ("," " "? "id-" /[0-9]+/)*'
+    for document, ok in (("id-1", True), ("id-12, id-3,id-4", True), ("id-", False),
+                         ("id-1;id-2", False), ("ID-1", False)):
+        assert accepted(grammar.context_free(gbnf), document) is ok, document
+        assert accepted(grammar.context_free(lark), document) is ok, document
+
+
 def test_tgi_grammar_takes_a_json_schema_config():
     from deployments.tgi import ValidationError, _grammar
 

@@ -420,6 +420,32 @@ def test_openai_response_format(openai_client, monkeypatch):
     assert short.usage.completion_tokens == 3
 
 
+def test_vllm_structured_outputs_and_guided_fields(openai_client):
+    """What clients of vLLM send in `extra_body`: `structured_outputs` (vLLM 0.12 on) and the
+    older `guided_*` fields, on both routes, sampled: every answer is in the language."""
+    options = ["positive", "negative", "neutral"]
+    for i, body in enumerate(({"structured_outputs": {"choice": options}},
+                              {"guided_choice": options})):
+        for choice in openai_client.chat.completions.create(
+                model="m", messages=MESSAGES, max_tokens=20, n=3, temperature=1.0, seed=i,
+                extra_body=body).choices:
+            assert choice.message.content in options and choice.finish_reason == "stop"
+    gbnf = 'root ::= "id-" [0-9] [0-9]? ("," "id-" [0-9] [0-9]?)?'
+    for body, pattern in (({"structured_outputs": {"grammar": gbnf}}, r"id-\d\d?(,id-\d\d?)?"),
+                          ({"guided_regex": "[a-c]{2,4}!"}, r"[a-c]{2,4}!")):
+        completion = openai_client.completions.create(
+            model="m", prompt="Tona", max_tokens=30, temperature=1.0, seed=5, extra_body=body)
+        text = completion.choices[0].text
+        assert re.fullmatch(pattern, text) and completion.choices[0].finish_reason == "stop", text
+    with pytest.raises(BadRequestError, match="Invalid guided_grammar: neither Lark nor GBNF"):
+        openai_client.completions.create(model="m", prompt="Tona", max_tokens=5,
+                                         extra_body={"guided_grammar": "root ::= ("})
+    with pytest.raises(BadRequestError, match="Grammar and tools are mutually exclusive"):
+        openai_client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=5,
+                                              tools=TOOLS,
+                                              extra_body={"guided_choice": options})
+
+
 def _check_call(call) -> None:
     assert call.type == "function" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
