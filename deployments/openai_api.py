@@ -178,8 +178,12 @@ class OpenAIApi:
             adapter = await self.adapter(req.model)
             constraint, tool_calls = await self._grammar(req, chat)
             runs, echoes = [], []
-            prompt_ids_list = schema.prompts(self.tokenizer, req, chat)
-            texts = schema.prompt_texts(req) if not chat and req.echo else []
+            sent = schema.prompts(self.tokenizer, req, chat)
+            prompt_ids_list = [schema.truncated(self.limits, req, ids) for ids in sent]
+            # an echo of a prompt cut short is its kept tokens' text, not the client's
+            texts = [text if len(kept) == len(ids) else None for text, kept, ids in
+                     zip(schema.prompt_texts(req), prompt_ids_list, sent, strict=True)
+                     ] if not chat and req.echo else []
             for k, prompt_ids in enumerate(prompt_ids_list):
                 params = schema.params(self.limits, self.max_n, req, chat, len(prompt_ids))
                 schema.check_token_ids(self.tokenizer, params)

@@ -85,8 +85,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name: (values that change nothi
     "logits_processors": (_OFF, "logits_processors is not supported"),
     "spaces_between_special_tokens": ((None, True),
                                       "spaces_between_special_tokens=false is not supported"),
-    "truncate_prompt_tokens": ((None,), "truncate_prompt_tokens is not supported; "
-                                        "use TGI's truncate"),
     "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not supported"),
     "chat_template": ((None,), "chat_template is not supported: the tokenizer's is used"),
     "documents": (_OFF, "documents is not supported"),
@@ -133,6 +131,8 @@ class _Common(BaseModel):
     min_tokens: int = 0  # vLLM's: nothing ends the output before it has this many tokens
     # vLLM's: each prompt token's logprob and rank, with this many alternatives
     prompt_logprobs: int | None = None
+    # vLLM's: keep only the prompt's last this many tokens (-1: as many as the server takes)
+    truncate_prompt_tokens: int | None = None
     top_k: int | None = None  # vLLM's extension; -1 or 0: off
     min_p: float = 0.0  # vLLM's extension; 0: off
     repetition_penalty: float | None = None  # vLLM's extension (HF's); 1: off
@@ -357,6 +357,21 @@ def prompt_only(req: CompletionRequest | ChatRequest, chat: bool) -> bool:
     """`echo` with `max_tokens: 0`: the prompt (and its logprobs) with no completion, the
     request OpenAI's older scoring clients send."""
     return not chat and req.echo and req.max_tokens == 0
+
+
+def truncated(limits: Limits, req: CompletionRequest | ChatRequest,
+              prompt_ids: list[int]) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens, as TGI's `truncate`
+    keeps them; -1 keeps as many as the server takes (`max_input_tokens`)."""
+    k = req.truncate_prompt_tokens
+    if k is None:
+        return prompt_ids
+    if k == -1:
+        k = limits.max_input_tokens
+    if not 1 <= k <= limits.max_input_tokens:
+        raise bad(f"truncate_prompt_tokens must be -1 or between 1 and "
+                  f"{limits.max_input_tokens} (max_input_tokens)")
+    return prompt_ids[-k:]
 
 
 def prompt_texts(req: CompletionRequest) -> list[str | None]:

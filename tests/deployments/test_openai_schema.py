@@ -18,6 +18,7 @@ from deployments.openai_schema import (
     params,
     prompts,
     response_grammar,
+    truncated,
 )
 from engine.sampling_params import SamplingParams
 
@@ -287,6 +288,21 @@ def test_choices_and_context_free_grammars_accept_exactly_their_language(llama_d
                          ("id-1;id-2", False), ("ID-1", False)):
         assert accepted(grammar.context_free(gbnf), document) is ok, document
         assert accepted(grammar.context_free(lark), document) is ok, document
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens():
+    """vLLM's `truncate_prompt_tokens`, as TGI's `truncate`: the last k tokens; -1 as many
+    as the server takes. A prompt longer than max_input_tokens then passes."""
+    ids = list(range(10, 150))  # 140 tokens, past LIMITS.max_input_tokens (100)
+    assert truncated(LIMITS, chat_request("hi"), ids) == ids
+    assert truncated(LIMITS, chat_request("hi", truncate_prompt_tokens=3), ids) == [147, 148, 149]
+    assert truncated(LIMITS, CompletionRequest(model="m", prompt="hi", truncate_prompt_tokens=-1),
+                     ids) == ids[-100:]
+    assert truncated(LIMITS, chat_request("hi", truncate_prompt_tokens=50), ids[:5]) == ids[:5]
+    for k in (0, -2, 101):
+        with pytest.raises(ApiError, match="truncate_prompt_tokens must be -1 or between 1 and "
+                                           "100 \\(max_input_tokens\\)"):
+            truncated(LIMITS, chat_request("hi", truncate_prompt_tokens=k), ids)
 
 
 def test_tgi_grammar_takes_a_json_schema_config():

@@ -118,6 +118,13 @@ def test_openai_client(server, offline, tokenizer):
     assert lp.token_logprobs[1:-1] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-4)
     assert [list(top) for top in lp.top_logprobs[1:-1]] == \
         [[tokenizer.decode([t]) for t, _ in top] for top in ref.prompt_top_logprobs[1:]]
+    # vLLM's truncate_prompt_tokens: the prompt's last 3 tokens, echoed as such
+    cut = client.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0,
+                                    echo=True, extra_body={"truncate_prompt_tokens": 3})
+    kept = tokenizer.decode(ids[-3:])
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].text.startswith(kept)
+    assert cut.choices[0].text[len(kept):] == \
+        offline.tokenizer.decode(greedy(offline, ids[-3:], 6), skip_special_tokens=True)
 
     messages = [{"role": "user", "content": "Tona sefi?"}]
     chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
