@@ -205,7 +205,8 @@ class OpenAIApi:
         rid = new_request_id("chatcmpl-" if chat else "cmpl-")
         want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
         view = _View(self, rid, req.model or self.model_name, chat, want_logprobs,
-                     tool_calls, echoes, req.prompt_logprobs)
+                     tool_calls, echoes, req.prompt_logprobs,
+                     bool(req.return_tokens_as_token_ids))
         if req.stream:
             options = req.stream_options or schema.StreamOptions()
             return StreamingResponse(view.events(runs, options.include_usage,
@@ -272,7 +273,14 @@ class _View:
     tool_calls: bool  # the output is a tool call (openai_tools.py)
     echoes: list[_Echo | None]  # per run, with `echo`: the prompt to put first
     prompt_logprobs: int | None  # vLLM's: alternatives with each prompt token's logprob
+    # vLLM's: logprobs name tokens "token_id:ID", not by their text (which may not be
+    # valid UTF-8 alone, or may not say which of two tokens it was)
+    token_ids_as_names: bool = False
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def _name(self, token: int) -> str:
+        return f"token_id:{token}" if self.token_ids_as_names else \
+            self.api.tokenizer.decode([token])
 
     @property
     def route(self) -> str:
@@ -291,28 +299,32 @@ class _View:
             return None
         if self._prompt_only(index):
             end = start
-        decode = self.api.tokenizer.decode
-        tokens = g.token_texts[start:end]
+        name = self._name
+        texts = g.token_texts[start:end]  # what the offsets count, in the text returned
+        tokens = [name(t) for t in g.token_ids[start:end]] if self.token_ids_as_names \
+            else texts
         if self.chat:
             return {"content": [
                 {"token": t, "logprob": lp, "bytes": list(t.encode()),
-                 "top_logprobs": [{"token": decode([i]), "logprob": v,
-                                   "bytes": list(decode([i]).encode())} for i, v in top]}
+                 "top_logprobs": [{"token": name(i), "logprob": v,
+                                   "bytes": list(name(i).encode())} for i, v in top]}
                 for t, lp, top in zip(tokens, g.logprobs[start:end], g.top_logprobs[start:end],
                                       strict=True)]}
         echo = self.echoes[index]
         shift = len(echo.text) if echo else 0
         out = {"tokens": tokens, "token_logprobs": g.logprobs[start:end],
-               "top_logprobs": [{decode([i]): v for i, v in top}
+               "top_logprobs": [{name(i): v for i, v in top}
                                 for top in g.top_logprobs[start:end]],
-               "text_offset": _offsets(tokens, shift + len("".join(g.token_texts[:start])))}
+               "text_offset": _offsets(texts, shift + len("".join(g.token_texts[:start])))}
         if echo is None or start:
             return out
         tops = g.prompt_top_logprobs or [None] + [[]] * (len(echo.pieces) - 1)
-        return {"tokens": echo.pieces + out["tokens"],
+        pieces = [name(t) for t in g.prompt_token_ids] if self.token_ids_as_names \
+            else echo.pieces
+        return {"tokens": pieces + out["tokens"],
                 "token_logprobs": list(g.prompt_logprobs) + out["token_logprobs"],
                 "top_logprobs": [None if top is None else
-                                 {decode([i]): v for i, v in top[:echo.top_n]}
+                                 {name(i): v for i, v in top[:echo.top_n]}
                                  for top in tops] + out["top_logprobs"],
                 "text_offset": echo.offsets + out["text_offset"]}
 

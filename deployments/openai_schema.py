@@ -85,7 +85,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name: (values that change nothi
     "logits_processors": (_OFF, "logits_processors is not supported"),
     "spaces_between_special_tokens": ((None, True),
                                       "spaces_between_special_tokens=false is not supported"),
-    "return_tokens_as_token_ids": ((None, False), "return_tokens_as_token_ids is not supported"),
     "chat_template": ((None,), "chat_template is not supported: the tokenizer's is used"),
     "documents": (_OFF, "documents is not supported"),
     "guided_whitespace_pattern": (_OFF, "guided_whitespace_pattern is not supported"),
@@ -133,6 +132,8 @@ class _Common(BaseModel):
     prompt_logprobs: int | None = None
     # vLLM's: keep only the prompt's last this many tokens (-1: as many as the server takes)
     truncate_prompt_tokens: int | None = None
+    # vLLM's: logprobs name each token "token_id:ID" instead of by its text
+    return_tokens_as_token_ids: bool = False
     top_k: int | None = None  # vLLM's extension; -1 or 0: off
     min_p: float = 0.0  # vLLM's extension; 0: off
     repetition_penalty: float | None = None  # vLLM's extension (HF's); 1: off

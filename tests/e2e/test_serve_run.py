@@ -118,6 +118,17 @@ def test_openai_client(server, offline, tokenizer):
     assert lp.token_logprobs[1:-1] == pytest.approx(ref.prompt_logprobs[1:], abs=1e-4)
     assert [list(top) for top in lp.top_logprobs[1:-1]] == \
         [[tokenizer.decode([t]) for t, _ in top] for top in ref.prompt_top_logprobs[1:]]
+    # vLLM's return_tokens_as_token_ids: logprobs name tokens by id, the text stays text
+    named = client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0,
+                                      logprobs=2, echo=True,
+                                      extra_body={"return_tokens_as_token_ids": True})
+    lp, want = named.choices[0].logprobs, ids + greedy(offline, prompt, 4)
+    assert lp.tokens == [f"token_id:{t}" for t in want]
+    assert all(k.startswith("token_id:") for top in lp.top_logprobs[1:] for k in top)
+    assert named.choices[0].text == scored.choices[0].text[:len(prompt)] + \
+        offline.tokenizer.decode(want[len(ids):], skip_special_tokens=True)
+    assert lp.text_offset[-1] == len(named.choices[0].text) - len(
+        offline.tokenizer.decode(want[-1:], skip_special_tokens=True))
     # vLLM's truncate_prompt_tokens: the prompt's last 3 tokens, echoed as such
     cut = client.completions.create(model="m", prompt=prompt, max_tokens=6, temperature=0,
                                     echo=True, extra_body={"truncate_prompt_tokens": 3})
@@ -138,6 +149,14 @@ def test_openai_client(server, offline, tokenizer):
         stream_options={"include_usage": True}))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_expected
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+    named = client.chat.completions.create(model="m", messages=messages, max_tokens=10,
+                                           temperature=0, logprobs=True, top_logprobs=2,
+                                           extra_body={"return_tokens_as_token_ids": True})
+    drawn = offline.generate([chat_ids], SamplingParams(max_new_tokens=10))[0].token_ids
+    content = named.choices[0].logprobs.content
+    assert [t.token for t in content] == [f"token_id:{t}" for t in drawn]
+    assert content[0].top_logprobs[0].token == f"token_id:{drawn[0]}"  # greedy: the best
+    assert named.choices[0].message.content == chat_expected
 
 
 def test_64_concurrent_greedy_requests_equal_offline(server, offline):
