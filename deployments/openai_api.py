@@ -164,6 +164,9 @@ class OpenAIApi:
         if req.min_tokens:
             raise schema.bad("min_tokens cannot be used with response_format or tools: "
                              "the grammar decides where the output ends")
+        if req.allowed_token_ids is not None or req.bad_words:
+            raise schema.bad("allowed_token_ids and bad_words cannot be used with "
+                             "response_format or tools: the grammar decides what may be drawn")
         try:
             await self.grammars.check(constraint)
         except InvalidGrammar as exc:
@@ -184,8 +187,10 @@ class OpenAIApi:
             texts = [text if len(kept) == len(ids) else None for text, kept, ids in
                      zip(schema.prompt_texts(req), prompt_ids_list, sent, strict=True)
                      ] if not chat and req.echo else []
+            rules = schema.vocabulary_rules(self.tokenizer, req)
             for k, prompt_ids in enumerate(prompt_ids_list):
-                params = schema.params(self.limits, self.max_n, req, chat, len(prompt_ids))
+                params = dataclasses.replace(
+                    schema.params(self.limits, self.max_n, req, chat, len(prompt_ids)), **rules)
                 schema.check_token_ids(self.tokenizer, params)
                 echo = (_Echo.of(self.tokenizer, prompt_ids, texts[k], req.logprobs or 0,
                                  schema.prompt_only(req, chat)) if texts else None)

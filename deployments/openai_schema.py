@@ -80,8 +80,6 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name: (values that change nothi
     "audio": (_OFF, "audio output is not supported"),
     "modalities": ((None, ["text"]), "only text output is supported (modalities: [\"text\"])"),
     # vLLM's extensions beyond those _Common honours, and TGI's tool_prompt
-    "bad_words": (_OFF, "bad_words is not supported"),
-    "allowed_token_ids": (_OFF, "allowed_token_ids is not supported"),
     "logits_processors": (_OFF, "logits_processors is not supported"),
     "spaces_between_special_tokens": ((None, True),
                                       "spaces_between_special_tokens=false is not supported"),
@@ -134,6 +132,9 @@ class _Common(BaseModel):
     truncate_prompt_tokens: int | None = None
     # vLLM's: logprobs name each token "token_id:ID" instead of by its text
     return_tokens_as_token_ids: bool = False
+    # vLLM's: only these tokens may be drawn; these words may not be written
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     top_k: int | None = None  # vLLM's extension; -1 or 0: off
     min_p: float = 0.0  # vLLM's extension; 0: off
     repetition_penalty: float | None = None  # vLLM's extension (HF's); 1: off
@@ -385,13 +386,39 @@ def prompt_texts(req: CompletionRequest) -> list[str | None]:
 
 
 def check_token_ids(tok: Any, params: SamplingParams) -> None:
-    """Token ids a client named (logit_bias, stop_token_ids) must be in the vocabulary:
-    an id past the logits' width would fail the step of every request in it."""
-    named = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
+    """Token ids a client named (logit_bias, stop_token_ids, allowed_token_ids) must be in
+    the vocabulary: an id past the logits' width would fail the step of every request in
+    it."""
+    named = [t for t, _ in params.logit_bias] + list(params.stop_token_ids) + \
+        list(params.allowed_token_ids)
     if named:
         vocab = len(tok)  # ~1 ms: only for requests that name ids
         if any(t >= vocab for t in named):
-            raise bad(f"logit_bias and stop_token_ids must name token ids in [0, {vocab})")
+            raise bad("logit_bias, stop_token_ids and allowed_token_ids must name token ids "
+                      f"in [0, {vocab})")
+
+
+def vocabulary_rules(tok: Any, req: CompletionRequest | ChatRequest) -> dict[str, Any]:
+    """vLLM's allowed_token_ids and bad_words, as sampling parameters. A bad word is banned
+    as its tokens at the start of a text and, where a space before it makes it a word token
+    of its own (the same count, another first token), after a space: vLLM's rule."""
+    rules: dict[str, Any] = {}
+    if req.allowed_token_ids is not None:
+        if not req.allowed_token_ids or min(req.allowed_token_ids) < 0:
+            raise bad("allowed_token_ids must be a non-empty list of token ids")
+        rules["allowed_token_ids"] = tuple(sorted(set(req.allowed_token_ids)))
+    words: list[tuple[int, ...]] = []
+    for word in req.bad_words or ():
+        if not word.strip():
+            raise bad("bad_words must be non-empty strings")
+        plain = tuple(tok.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tok.encode(" " + word.lstrip(), add_special_tokens=False))
+        words.append(plain)
+        if len(spaced) == len(plain) and spaced[0] != plain[0]:
+            words.append(spaced)
+    if words:
+        rules["bad_words"] = tuple(dict.fromkeys(words))
+    return rules
 
 
 # vLLM's constraint kinds, each made a grammar from its value

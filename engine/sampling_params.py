@@ -37,6 +37,11 @@ class SamplingParams:
     adapter: str | None = None
     # OpenAI's logit_bias: (token id, value in [-100, 100]) pairs added to the logits first.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's allowed_token_ids: only these tokens may be drawn (empty: any).
+    allowed_token_ids: tuple[int, ...] = ()
+    # vLLM's bad_words, as token id sequences: a sequence's last token is never drawn where
+    # the output so far ends with the tokens before it (a one-token sequence: never).
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         checks = [
@@ -62,6 +67,12 @@ class SamplingParams:
             (not (self.grammar and self.ignore_eos), "ignore_eos cannot be used with a grammar"),
             (all(t >= 0 and math.isfinite(v) and -100 <= v <= 100 for t, v in self.logit_bias),
              "logit_bias maps token ids to values in [-100, 100]"),
+            (all(t >= 0 for t in self.allowed_token_ids), "allowed_token_ids must be token ids"),
+            (all(w and min(w) >= 0 for w in self.bad_words),
+             "bad_words must be non-empty sequences of token ids"),
+            (not (self.grammar and (self.allowed_token_ids or self.bad_words)),
+             "allowed_token_ids and bad_words cannot be used with a grammar (it decides what "
+             "may be drawn)"),
         ]
         for ok, message in checks:
             if not ok:

@@ -1,7 +1,8 @@
 """Batched sampling on rank 0: one row of logits per request that needs a token.
 
 Order as TGI (and transformers' logits processors), after OpenAI's logit_bias (added to
-the logits first, as vLLM's logits processors come before its penalties): repetition
+the logits first, as vLLM's logits processors come before its penalties) and vLLM's
+allowed_token_ids and bad_words (masks, as vLLM applies them before penalties): repetition
 penalty, frequency and presence penalties, then temperature, top-k, top-p, min-p,
 typical-p. Greedy rows take the argmax after the bias and penalties. Each sampled row
 draws from its own generator seeded by (request seed, output position), so a seeded
@@ -39,6 +40,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
     scores = logits.float()
     if any(r.params.logit_bias for r in rows):
         scores = _apply_logit_bias(scores, rows)
+    if any(r.params.allowed_token_ids or r.params.bad_words for r in rows):
+        scores = _restrict(scores, rows)
     if any(r.position < r.params.min_tokens for r in rows):
         scores = _hold_ends(scores, rows, eos_token_ids)
     if any(r.params.has_penalties for r in rows):
@@ -81,6 +84,28 @@ def _apply_logit_bias(scores: torch.Tensor, rows: list[SampleRow]) -> torch.Tens
             ids, values = zip(*r.params.logit_bias, strict=True)
             scores[i, list(ids)] += torch.tensor(values, dtype=scores.dtype,
                                                  device=scores.device)
+    return scores
+
+
+def _restrict(scores: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """vLLM's allowed_token_ids (every other token masked) and bad_words (a word's last token
+    masked where the output so far, not the prompt, ends with the rest of the word)."""
+    scores = scores.clone()
+    width = scores.shape[1]
+    for i, r in enumerate(rows):
+        p = r.params
+        if p.allowed_token_ids:
+            keep = torch.tensor([t for t in p.allowed_token_ids if t < width],
+                                device=scores.device, dtype=torch.long)
+            row = torch.full_like(scores[i], float("-inf"))
+            row[keep] = scores[i, keep]
+            scores[i] = row
+        if p.bad_words:
+            output = r.token_ids[r.num_prompt_tokens:]
+            banned = [w[-1] for w in p.bad_words if w[-1] < width and len(w) - 1 <= len(output)
+                      and tuple(output[len(output) - len(w) + 1:]) == w[:-1]]
+            if banned:
+                scores[i, banned] = float("-inf")
     return scores
 
 

@@ -19,6 +19,7 @@ from deployments.openai_schema import (
     prompts,
     response_grammar,
     truncated,
+    vocabulary_rules,
 )
 from engine.sampling_params import SamplingParams
 
@@ -303,6 +304,26 @@ def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens():
         with pytest.raises(ApiError, match="truncate_prompt_tokens must be -1 or between 1 and "
                                            "100 \\(max_input_tokens\\)"):
             truncated(LIMITS, chat_request("hi", truncate_prompt_tokens=k), ids)
+
+
+def test_allowed_token_ids_and_bad_words_become_token_rules(tokenizer):
+    """vLLM's allowed_token_ids (checked against the vocabulary) and bad_words (a word's
+    tokens at a text's start, and after a space where that makes another first token of the
+    same count: vLLM's rule)."""
+    plain = tuple(tokenizer.encode("kari", add_special_tokens=False))
+    spaced = tuple(tokenizer.encode(" kari", add_special_tokens=False))
+    assert len(plain) == len(spaced) and plain[0] != spaced[0]  # the case the rule is for
+    rules = vocabulary_rules(tokenizer, chat_request("hi", allowed_token_ids=[9, 5, 9],
+                                                     bad_words=["  kari", "kari"]))
+    assert rules == {"allowed_token_ids": (5, 9), "bad_words": (plain, spaced)}
+    assert vocabulary_rules(tokenizer, chat_request("hi")) == {}
+    for fields, message in (({"allowed_token_ids": []}, "non-empty list of token ids"),
+                            ({"allowed_token_ids": [-3]}, "non-empty list of token ids"),
+                            ({"bad_words": [" "]}, "bad_words must be non-empty strings")):
+        with pytest.raises(ApiError, match=message):
+            vocabulary_rules(tokenizer, chat_request("hi", **fields))
+    with pytest.raises(ApiError, match="allowed_token_ids must name token ids in"):
+        check_token_ids(tokenizer, SamplingParams(allowed_token_ids=(len(tokenizer),)))
 
 
 def test_tgi_grammar_takes_a_json_schema_config():

@@ -472,6 +472,28 @@ def test_vllm_structured_outputs_and_guided_fields(openai_client):
                                               extra_body={"guided_choice": options})
 
 
+def test_vllm_allowed_token_ids_and_bad_words(openai_client, offline, tokenizer):
+    """vLLM's token rules through the server equal the offline engine's, and hold."""
+    from deployments.openai_schema import CompletionRequest, vocabulary_rules
+
+    prompt, keep = "Tona sefi", list(range(200, 260))
+    free = greedy(offline, prompt, 8)
+    banned = tokenizer.decode(free[:1]).strip()
+    for body in ({"allowed_token_ids": keep}, {"bad_words": [banned]}):
+        got = openai_client.completions.create(
+            model="m", prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+            extra_body={**body, "return_tokens_as_token_ids": True})
+        drawn = [int(t.removeprefix("token_id:")) for t in got.choices[0].logprobs.tokens]
+        rules = vocabulary_rules(tokenizer, CompletionRequest(prompt=prompt, **body))
+        assert drawn == offline.generate([prompt], SamplingParams(max_new_tokens=8, **rules)
+                                         )[0].token_ids != free[:len(drawn)]
+        if "allowed_token_ids" in body:
+            assert set(drawn) <= set(keep)
+    with pytest.raises(BadRequestError, match="cannot be used with response_format or tools"):
+        openai_client.completions.create(model="m", prompt=prompt, max_tokens=5, extra_body={
+            "bad_words": [banned], "guided_choice": ["a", "b"]})
+
+
 def _check_call(call) -> None:
     assert call.type == "function" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])

@@ -222,6 +222,56 @@ def test_min_tokens_equals_transformers_min_new_tokens(llm, llama_dir):
     assert held.token_ids == free.token_ids[:len(held.token_ids)]
 
 
+def test_allowed_token_ids_and_bad_words_mask_only_their_rows():
+    """vLLM's allowed_token_ids: the best allowed token greedily, only allowed ones sampled.
+    Its bad_words: a one-token word never; a longer word's last token only where the output
+    (not the prompt) ends with the rest of it."""
+    allowed = SamplingParams(allowed_token_ids=(3, 6, 8))
+    sampled = SamplingParams(temperature=2.0, allowed_token_ids=(3, 6, 8))
+    banned = SamplingParams(bad_words=((0,), (4, 1)))  # 0, 1, 9: the best three
+    rows = [SampleRow(allowed, 1, 0, [5], 1), SampleRow(banned, 1, 1, [5, 7], 1),
+            SampleRow(banned, 1, 1, [5, 4], 1), SampleRow(banned, 1, 0, [4], 1),
+            SampleRow(SamplingParams(), 1, 0, [5], 1)]
+    result = sample(torch.stack([LOGITS] * 5), rows)
+    # 1 after the output's 7 and after the prompt's 4, but not after the output's 4
+    assert result.token_ids == [3, 1, 9, 1, 0]
+    assert result.logprobs[4] == pytest.approx(sample(LOGITS[None], rows[4:]).logprobs[0])
+    draws = {sample(LOGITS[None], [SampleRow(sampled, s, 0, [5], 1)]).token_ids[0]
+             for s in range(60)}
+    assert draws == {3, 6, 8}
+    for bad, message in (({"allowed_token_ids": (-1,)}, "allowed_token_ids"),
+                         ({"bad_words": ((),)}, "bad_words"),
+                         ({"bad_words": ((1,),), "grammar": "x"}, "cannot be used with a grammar")):
+        with pytest.raises(ValueError, match=message):
+            SamplingParams(**bad)
+
+
+def test_allowed_token_ids_and_bad_words_equal_transformers(llm, llama_dir):
+    """The same masks as transformers' prefix_allowed_tokens_fn and bad_words_ids on the same
+    weights, greedy: the unconstrained output's own tokens banned, as one-token words and as
+    a two-token one, and its tokens past the first few left out of the allowed set."""
+    prompt = make_prompts(2048, [12], seed=31)[0]
+    free = llm.generate([prompt], SamplingParams(max_new_tokens=16))[0].token_ids
+    model = hf_model(llama_dir)
+
+    def hf(**kwargs):
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt)), **kwargs)
+        return out[0, len(prompt):].tolist()
+
+    words = ((free[2],), (free[4], free[5]))
+    assert prompt[-1] != free[4]  # transformers also looks at the prompt: not needed here
+    got = llm.generate([prompt], SamplingParams(max_new_tokens=16, bad_words=words))[0]
+    assert got.token_ids == hf(bad_words_ids=[list(w) for w in words]) != free
+    assert free[2] not in got.token_ids
+    keep = sorted(set(free[:3]) | set(range(100, 400)))
+    got = llm.generate([prompt], SamplingParams(max_new_tokens=16,
+                                                allowed_token_ids=tuple(keep)))[0]
+    assert got.token_ids == hf(prefix_allowed_tokens_fn=lambda _, __: keep) != free
+    assert set(got.token_ids) <= set(keep)
+
+
 def test_logit_bias_is_added_first_and_only_to_its_row():
     """OpenAI's logit_bias: +100 makes a token the greedy and the sampled choice, -100 takes
     the argmax away; rows without a bias in the same batch are untouched."""
