@@ -226,7 +226,10 @@ def test_openai_refuses_output_changing_fields_it_does_not_implement(app):
             ("/v1/completions", {**completion, "suffix": " end"}, "suffix"),
             ("/v1/chat/completions", {**chat, "echo": True}, "echo"),
             ("/v1/completions", {**completion, "best_of": 2}, "best_of"),
-            ("/v1/chat/completions", {**chat, "guided_json": {"type": "object"}}, "guided_json"),
+            ("/v1/chat/completions", {**chat, "guided_whitespace_pattern": " "},
+             "guided_whitespace_pattern"),
+            ("/v1/chat/completions", {**chat, "structured_outputs": {
+                "regex": "a+", "structural_tag": "{}"}}, "structural_tag"),
             ("/v1/chat/completions", {**chat, "functions": [{"name": "f"}]}, "functions"),
             ("/v1/chat/completions", {**chat, "modalities": ["text", "audio"]}, "text output"),
             ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": [
