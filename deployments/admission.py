@@ -87,7 +87,10 @@ class Admission:
 
     async def read(self, request: Request, model: type[Model]) -> Model:
         """The body, read as above, parsed into `model` (422 when it does not fit)."""
-        body = await self.read_json(request)
+        return self.parse(await self.read_json(request), model)
+
+    @staticmethod
+    def parse(body: Any, model: type[Model]) -> Model:
         try:
             return model.model_validate(body)
         except PydanticError as exc:

@@ -38,7 +38,9 @@ app = FastAPI(title="raygen", summary="TGI- and OpenAI-compatible text generatio
 # Routes read raw bodies (payload limit, strict JSON, TGI-shaped errors), so FastAPI cannot
 # infer their schemas: they are published here, for clients and for schemathesis.
 BODIES = {"/generate": tgi.TGIRequest, "/generate_stream": tgi.TGIRequest, "/": tgi.TGIRequest,
-          "/tokenize": tgi.TGIRequest, "/v1/completions": openai_schema.CompletionRequest,
+          "/tokenize": tgi.TGIRequest, "/chat_tokenize": openai_schema.ChatRequest,
+          "/detokenize": openai_schema.Detokenize,
+          "/v1/completions": openai_schema.CompletionRequest,
           "/v1/chat/completions": openai_schema.ChatRequest,
           "/v1/load_lora_adapter": openai_schema.LoadLoRAAdapter,
           "/v1/unload_lora_adapter": openai_schema.UnloadLoRAAdapter}
@@ -132,7 +134,19 @@ class Ingress:
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:
-        return await self.tgi.tokenize(request)
+        """TGI's (a body with `inputs`) or vLLM's (`prompt` or `messages`)."""
+        try:
+            body = await self.admission.read_json(request)
+        except Exception as exc:
+            return self.tgi.error(exc)
+        if isinstance(body, dict) and "inputs" not in body and body.keys() & {"prompt",
+                                                                              "messages"}:
+            return await self.openai.tokenize(body)
+        return await self.tgi.tokenize(body)
+
+    @app.post("/chat_tokenize")
+    async def chat_tokenize(self, request: Request) -> Response:
+        return await self.tgi.chat_tokenize(request)
 
     @app.get("/health")
     async def health(self) -> Response:
@@ -207,6 +221,10 @@ class Ingress:
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request) -> Response:
         return await self.openai.unload_adapter(request)
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        return await self.openai.detokenize(request)
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:

@@ -150,6 +150,36 @@ class OpenAIApi:
             raise AdapterNotFound(f"The model `{model}` does not exist.")
         return None
 
+    async def tokenize(self, body: Any) -> Response:
+        """vLLM's POST /tokenize (the body read): a prompt's or a chat's token ids, their
+        count against the longest sequence served, and with `return_token_strs` the
+        tokenizer's own strings for them."""
+        try:
+            if "messages" in body:
+                req = self.admission.parse(body, schema.ChatTokenize)
+                schema.refuse_unsupported(req)  # a request's own chat_template, say
+                text = schema.chat_text(self.tokenizer, req)
+            else:
+                req = self.admission.parse(body, schema.CompletionTokenize)
+                text = req.prompt
+            ids = self.tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids
+        except Exception as exc:
+            return self.error(exc)
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return JSONResponse({"count": len(ids), "max_model_len": self.limits.max_total_tokens,
+                             "tokens": ids, "token_strs": strs})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's POST /detokenize: the text of token ids."""
+        try:
+            req = await self.admission.read(request, schema.Detokenize)
+            vocab = len(self.tokenizer)
+            if any(not 0 <= t < vocab for t in req.tokens):
+                raise schema.bad(f"tokens must be token ids in [0, {vocab})")
+        except Exception as exc:
+            return self.error(exc)
+        return JSONResponse({"prompt": self.tokenizer.decode(req.tokens)})
+
     async def _grammar(self, req, chat: bool) -> tuple[str | None, bool]:
         """(the grammar of `tools` or of `response_format`, checked, or None for free text;
         whether the output is a tool call)."""

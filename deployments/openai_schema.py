@@ -227,32 +227,61 @@ def _content_text(content: str | list[dict[str, Any]] | None) -> str:
     return "".join(texts)
 
 
+class CompletionTokenize(BaseModel):
+    """vLLM's `POST /tokenize` body for a prompt."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class ChatTokenize(ChatRequest):
+    """vLLM's `POST /tokenize` body for a chat: the chat request's template fields."""
+    add_special_tokens: bool = False  # the template writes the special tokens it wants
+    return_token_strs: bool = False
+
+
+class Detokenize(BaseModel):
+    """vLLM's `POST /detokenize` body."""
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+def chat_text(tok: Any, req: ChatRequest) -> str:
+    """The chat's messages (and tools) through the model's chat template."""
+    messages = [{"role": m.role, "content": _content_text(m.content),
+                 **m.model_dump(include={"name", "tool_calls", "tool_call_id"},
+                                exclude_none=True)} for m in req.messages]
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    if req.continue_final_message and (req.add_generation_prompt
+                                       or req.messages[-1].role != "assistant"):
+        raise bad("continue_final_message needs add_generation_prompt=false and an "
+                  "assistant's message last")
+    options = dict(req.chat_template_kwargs or {})
+    # the template's own variables only: not apply_chat_template's arguments (a
+    # template of the request's own, tokenizing, ...)
+    taken = options.keys() & (set(inspect.signature(tok.apply_chat_template).parameters)
+                              | {"messages"})
+    if taken:
+        raise bad(f"chat_template_kwargs must not set {', '.join(sorted(taken))}")
+    try:
+        text = tok.apply_chat_template(
+            messages, tools=tools, tokenize=False,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message, **options)
+    except (ValueError, TypeError, jinja2.TemplateError) as exc:  # the template's own
+        raise bad(f"the chat template failed: {exc}") from exc  # refusal, say
+    return text
+
+
 def prompts(tok: Any, req: CompletionRequest | ChatRequest, chat: bool) -> list[list[int]]:
     """The request's prompts as token ids (chat: one, through the model's chat template)."""
     if chat:
-        messages = [{"role": m.role, "content": _content_text(m.content),
-                     **m.model_dump(include={"name", "tool_calls", "tool_call_id"},
-                                    exclude_none=True)} for m in req.messages]
-        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-        if req.continue_final_message and (req.add_generation_prompt
-                                           or req.messages[-1].role != "assistant"):
-            raise bad("continue_final_message needs add_generation_prompt=false and an "
-                      "assistant's message last")
-        options = dict(req.chat_template_kwargs or {})
-        # the template's own variables only: not apply_chat_template's arguments (a
-        # template of the request's own, tokenizing, ...)
-        taken = options.keys() & (set(inspect.signature(tok.apply_chat_template).parameters)
-                                  | {"messages"})
-        if taken:
-            raise bad(f"chat_template_kwargs must not set {', '.join(sorted(taken))}")
-        try:
-            text = tok.apply_chat_template(
-                messages, tools=tools, tokenize=False,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message, **options)
-        except (ValueError, TypeError, jinja2.TemplateError) as exc:  # the template's own
-            raise bad(f"the chat template failed: {exc}") from exc  # refusal, say
-        return [tok(text, add_special_tokens=False).input_ids]
+        return [tok(chat_text(tok, req), add_special_tokens=False).input_ids]
     prompt = req.prompt
     if prompt == "" or (isinstance(prompt, list) and any(p == "" for p in prompt)):
         raise bad("prompt must not be empty")

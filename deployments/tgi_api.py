@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from deployments import tgi
+from deployments import openai_schema, tgi
 from deployments.adapters import Adapters
 from deployments.admission import Admission, ApiError
 from deployments.config import Limits
@@ -87,20 +87,34 @@ class TGIApi:
         finally:
             self.admission.release()
 
-    async def tokenize(self, request: Request) -> Response:
-        """POST /tokenize: the prompt's tokens with their character offsets; with
-        `parameters.truncate`, the last that many, as /generate would keep (TGI's)."""
+    async def tokenize(self, body: Any) -> Response:
+        """POST /tokenize (the body read): the prompt's tokens with their character offsets;
+        with `parameters.truncate`, the last that many, as /generate would keep (TGI's)."""
         try:
-            req = await self.admission.read(request, tgi.TGIRequest)
+            req = self.admission.parse(body, tgi.TGIRequest)
         except Exception as exc:
             return self.error(exc)
-        enc = self.tokenizer(req.inputs, add_special_tokens=req.add_special_tokens,
-                             return_offsets_mapping=True)
-        tokens = list(zip(enc.input_ids, enc.offset_mapping, strict=True))
+        tokens = self._tokens(req.inputs, req.add_special_tokens)
         if req.parameters.truncate is not None:
             tokens = tokens[-req.parameters.truncate :] if req.parameters.truncate else []
-        return JSONResponse([{"id": t, "text": req.inputs[a:b], "start": a, "stop": b}
-                             for t, (a, b) in tokens])
+        return JSONResponse(tokens)
+
+    async def chat_tokenize(self, request: Request) -> Response:
+        """POST /chat_tokenize: a chat request's messages through the chat template, and
+        that text's tokens (TGI's)."""
+        try:
+            req = await self.admission.read(request, openai_schema.ChatRequest)
+            text = openai_schema.chat_text(self.tokenizer, req)
+        except Exception as exc:
+            return self.error(exc)
+        return JSONResponse({"tokenize_response": self._tokens(text, False),
+                             "templated_text": text})
+
+    def _tokens(self, text: str, add_special_tokens: bool) -> list[dict]:
+        enc = self.tokenizer(text, add_special_tokens=add_special_tokens,
+                             return_offsets_mapping=True)
+        return [{"id": t, "text": text[a:b], "start": a, "stop": b}
+                for t, (a, b) in zip(enc.input_ids, enc.offset_mapping, strict=True)]
 
     # -- responses -------------------------------------------------------------------
     async def _response(self, req, valid, start, validation_time) -> Response:

@@ -185,6 +185,33 @@ def test_tokenize_and_info(app, tokenizer):
     r = post("/tokenize", {"inputs": text, "parameters": {"truncate": 2}})
     assert [t["id"] for t in r.json()] == tokenizer(text).input_ids[-2:]
     assert "".join(t["text"] for t in r.json()) == text[r.json()[0]["start"]:]
+    # vLLM's /tokenize shares the route, told by its body (`prompt` or `messages`) ...
+    r = post("/tokenize", {"model": "m", "prompt": text, "return_token_strs": True})
+    ids = tokenizer(text).input_ids
+    assert r.json() == {"count": len(ids), "max_model_len": 128, "tokens": ids,
+                        "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    messages = [{"role": "user", "content": "Hello kari"}]
+    templated = tokenizer.apply_chat_template(messages, tokenize=False,
+                                              add_generation_prompt=True)
+    chat_ids = tokenizer(templated, add_special_tokens=False).input_ids
+    r = post("/tokenize", {"messages": messages})
+    assert (r.json()["tokens"], r.json()["token_strs"]) == (chat_ids, None)
+    assert post("/tokenize", {"messages": messages, "add_generation_prompt": False}
+                ).json()["count"] < len(chat_ids)
+    # ... its /detokenize, and TGI's /chat_tokenize (the template's text and its tokens)
+    assert post("/detokenize", {"tokens": ids}).json() == {"prompt": tokenizer.decode(ids)}
+    r = post("/chat_tokenize", {"model": "tgi", "messages": messages})
+    assert r.json()["templated_text"] == templated
+    assert [t["id"] for t in r.json()["tokenize_response"]] == chat_ids
+    assert "".join(t["text"] for t in r.json()["tokenize_response"]) == templated
+    for path, body, message in (
+            ("/detokenize", {"tokens": [len(tokenizer)]}, "tokens must be token ids in"),
+            ("/tokenize", {"prompt": 5}, "prompt: Input should be a valid string"),
+            ("/tokenize", {"messages": messages, "chat_template": "{{ x }}"},
+             "chat_template is not supported"),
+            ("/chat_tokenize", {"messages": []}, "messages: List should have at least 1")):
+        r = post(path, body)
+        assert r.status_code in (400, 422) and message in r.text, (path, r.text)
     info = httpx.get(BASE + "/info").json()
     assert info["max_input_tokens"] == 64 and info["max_total_tokens"] == 128
     # The admission policy in effect: TGI v3 with chunked prefill admits at every step.
