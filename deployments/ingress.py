@@ -22,6 +22,7 @@ from deployments.grammar import GrammarChecker
 from deployments.metrics import INGRESS, Metrics
 from deployments.metrics_hub import Pusher, collect, render, replica_source
 from deployments.openai_api import OpenAIApi
+from deployments.responses_api import ResponsesApi, ResponsesRequest
 from deployments.routing import router_families
 from deployments.tgi_api import TGIApi
 from shards.checkpoints.resolve import load_tokenizer
@@ -41,7 +42,7 @@ BODIES = {"/generate": tgi.TGIRequest, "/generate_stream": tgi.TGIRequest, "/": 
           "/tokenize": tgi.TGIRequest, "/chat_tokenize": openai_schema.ChatRequest,
           "/detokenize": openai_schema.Detokenize,
           "/v1/completions": openai_schema.CompletionRequest,
-          "/v1/chat/completions": openai_schema.ChatRequest,
+          "/v1/chat/completions": openai_schema.ChatRequest, "/v1/responses": ResponsesRequest,
           "/v1/load_lora_adapter": openai_schema.LoadLoRAAdapter,
           "/v1/unload_lora_adapter": openai_schema.UnloadLoRAAdapter}
 
@@ -96,6 +97,7 @@ class Ingress:
                           self.adapters)
         self.openai = OpenAIApi(self.admission, grammars, streaming, tokenizer, self.limits,
                                 args.max_n, args.model_name, self.adapters)
+        self.responses = ResponsesApi(self.openai)
         self.batcher_info: dict | None = None  # /info's raygen part, from a batcher replica
         self.hub, self.pusher = metrics_hub, None
         if metrics_hub is not None:
@@ -233,3 +235,7 @@ class Ingress:
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self.openai.create(request, chat=True)
+
+    @app.post("/v1/responses")
+    async def responses(self, request: Request) -> Response:
+        return await self.responses.create(request)

@@ -208,30 +208,7 @@ class OpenAIApi:
         try:
             req = await self.admission.read(
                 request, schema.ChatRequest if chat else schema.CompletionRequest)
-            adapter = await self.adapter(req.model)
-            constraint, tool_calls = await self._grammar(req, chat)
-            runs, echoes = [], []
-            sent = schema.prompts(self.tokenizer, req, chat)
-            prompt_ids_list = [schema.truncated(self.limits, req, ids) for ids in sent]
-            # an echo of a prompt cut short is its kept tokens' text, not the client's
-            texts = [text if len(kept) == len(ids) else None for text, kept, ids in
-                     zip(schema.prompt_texts(req), prompt_ids_list, sent, strict=True)
-                     ] if not chat and req.echo else []
-            rules = schema.vocabulary_rules(self.tokenizer, req)
-            for k, prompt_ids in enumerate(prompt_ids_list):
-                params = dataclasses.replace(
-                    schema.params(self.limits, self.max_n, req, chat, len(prompt_ids)), **rules)
-                schema.check_token_ids(self.tokenizer, params)
-                echo = (_Echo.of(self.tokenizer, prompt_ids, texts[k], req.logprobs or 0,
-                                 schema.prompt_only(req, chat)) if texts else None)
-                if tool_calls:  # parsed from the text: without the end token's, which is
-                    # all that skip_special_tokens=false would add to a call's JSON
-                    params = dataclasses.replace(params, skip_special_tokens=True)
-                for i in range(req.n):
-                    seed = params.seed + i if params.seed is not None else random.getrandbits(63)
-                    runs.append(Generation(new_request_id(), prompt_ids, dataclasses.replace(
-                        params, seed=seed, grammar=constraint, adapter=adapter)))
-                    echoes.append(echo)
+            runs, echoes, tool_calls = await self.runs(req, chat)
             self.admission.admit()
         except AdapterNotFound as exc:
             return not_found(str(exc))
@@ -256,6 +233,36 @@ class OpenAIApi:
             return self.error(exc)
         finally:
             self.admission.release()
+
+    async def runs(self, req: schema.CompletionRequest | schema.ChatRequest, chat: bool
+                   ) -> tuple[list[Generation], list[_Echo | None], bool]:
+        """The generations a request asks for (n per prompt), checked, not yet admitted;
+        per run what `echo` puts first; whether the output is a tool call."""
+        adapter = await self.adapter(req.model)
+        constraint, tool_calls = await self._grammar(req, chat)
+        runs, echoes = [], []
+        sent = schema.prompts(self.tokenizer, req, chat)
+        prompt_ids_list = [schema.truncated(self.limits, req, ids) for ids in sent]
+        # an echo of a prompt cut short is its kept tokens' text, not the client's
+        texts = [text if len(kept) == len(ids) else None for text, kept, ids in
+                 zip(schema.prompt_texts(req), prompt_ids_list, sent, strict=True)
+                 ] if not chat and req.echo else []
+        rules = schema.vocabulary_rules(self.tokenizer, req)
+        for k, prompt_ids in enumerate(prompt_ids_list):
+            params = dataclasses.replace(
+                schema.params(self.limits, self.max_n, req, chat, len(prompt_ids)), **rules)
+            schema.check_token_ids(self.tokenizer, params)
+            echo = (_Echo.of(self.tokenizer, prompt_ids, texts[k], req.logprobs or 0,
+                             schema.prompt_only(req, chat)) if texts else None)
+            if tool_calls:  # parsed from the text: without the end token's, which is
+                # all that skip_special_tokens=false would add to a call's JSON
+                params = dataclasses.replace(params, skip_special_tokens=True)
+            for i in range(req.n):
+                seed = params.seed + i if params.seed is not None else random.getrandbits(63)
+                runs.append(Generation(new_request_id(), prompt_ids, dataclasses.replace(
+                    params, seed=seed, grammar=constraint, adapter=adapter)))
+                echoes.append(echo)
+        return runs, echoes, tool_calls
 
 
 @dataclasses.dataclass(frozen=True)

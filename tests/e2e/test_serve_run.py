@@ -494,6 +494,50 @@ def test_vllm_allowed_token_ids_and_bad_words(openai_client, offline, tokenizer)
             "bad_words": [banned], "guided_choice": ["a", "b"]})
 
 
+def test_openai_responses_api(openai_client):
+    """The openai client's Responses API: the answer the chat route gives the same messages,
+    whole and as its typed events (the client's own stream helper checks their order); an
+    answer cut short by max_output_tokens is incomplete; a schema holds; what is not
+    implemented is refused."""
+    instructions, question = "Answer briefly.", "Tona sefi?"
+    chat = openai_client.chat.completions.create(
+        model="m", max_tokens=12, temperature=0, messages=[
+            {"role": "system", "content": instructions}, {"role": "user", "content": question}])
+    whole = openai_client.responses.create(model="m", instructions=instructions, input=question,
+                                           max_output_tokens=12, temperature=0)
+    assert whole.output_text == chat.choices[0].message.content
+    assert whole.status == ("incomplete" if chat.choices[0].finish_reason == "length"
+                            else "completed")
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == \
+        (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    with openai_client.responses.stream(model="m", instructions=instructions, input=question,
+                                        max_output_tokens=12, temperature=0) as events:
+        streamed = list(events)
+    kinds = [event.type for event in streamed]
+    assert kinds[:4] == ["response.created", "response.in_progress",
+                         "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", f"response.{whole.status}"]
+    assert "".join(e.delta for e in streamed if e.type == "response.output_text.delta") == \
+        streamed[-1].response.output_text == whole.output_text
+    short = openai_client.responses.create(model="m", input=question, max_output_tokens=2,
+                                           temperature=0)
+    assert (short.status, short.incomplete_details.reason, short.usage.output_tokens) == \
+        ("incomplete", "max_output_tokens", 2)
+    # a schema's answer ends by EOS: completed, and the client's helper parses it whole
+    schema, fmt = SCHEMAS[1], {"type": "json_schema", "name": "place", "schema": SCHEMAS[1],
+                               "strict": True}
+    placed = openai_client.responses.create(model="m", input=question, max_output_tokens=200,
+                                            temperature=0, text={"format": fmt})
+    jsonschema.validate(json.loads(placed.output_text), schema)
+    with openai_client.responses.stream(model="m", input=question, max_output_tokens=200,
+                                        temperature=0, text={"format": fmt}) as events:
+        final = events.get_final_response()
+    assert (final.status, final.output_text) == ("completed", placed.output_text)
+    with pytest.raises(BadRequestError, match="store is not supported"):
+        openai_client.responses.create(model="m", input=question, store=True)
+
+
 def _check_call(call) -> None:
     assert call.type == "function" and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
