@@ -69,8 +69,10 @@ def _refuse_unsupported(req: ResponsesRequest) -> None:
     if set(req.text or {}) - {"format"} - {"verbosity"} or \
             (req.text or {}).get("verbosity") not in (None, "medium"):
         raise schema.bad("text supports only format on /v1/responses")
-    if fmt is not None and fmt.get("type") not in ("text", "json_object", "json_schema"):
-        raise schema.bad(f"text.format of type {fmt.get('type')!r} is not supported")
+    if fmt is not None and (not isinstance(fmt, dict) or
+                            fmt.get("type") not in ("text", "json_object", "json_schema")):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise schema.bad(f"text.format of type {kind!r} is not supported")
 
 
 def _message(item: dict[str, Any]) -> dict[str, Any]:

@@ -57,6 +57,7 @@ def test_text_format_is_the_chat_s_response_format():
     ({"something_new": 3}, "something_new is not supported"),
     ({"text": {"format": {"type": "grammar"}}}, "text.format of type 'grammar'"),
     ({"text": {"verbosity": "low"}}, "text supports only format"),
+    ({"text": {"format": "text"}}, "text.format of type 'text' is not supported"),
     ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]},
      "input items of type 'function_call_output' are not supported"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
