@@ -131,12 +131,42 @@ class Grammars:
 def load_tokenizer(model_dir: str, vocab_size: int):
     """llguidance's view of the model's tokenizer, over the logits' width (~1 s for a
     large vocabulary: built once, on a thread)."""
-    import llguidance.hf
+    import copy
+    import json
+
+    import llguidance
 
     from shards.checkpoints import resolve as checkpoint
 
-    return llguidance.hf.from_tokenizer(checkpoint.load_tokenizer(model_dir),
-                                        n_vocab=vocab_size)
+    tokenizer = checkpoint.load_tokenizer(model_dir)
+    backend = copy.copy(tokenizer.backend_tokenizer)  # as llguidance.hf.from_tokenizer reads it
+    backend.no_padding()
+    backend.no_truncation()
+    spec = byte_level_as_such(json.loads(backend.to_str()))
+    return llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size,
+                                  eos_token=tokenizer.eos_token_id)
+
+
+def byte_level_as_such(spec: dict) -> dict:
+    """A byte-level BPE tokenizer (GPT-2's: `Ġ` is a space) whose decoder is SentencePiece's
+    steps around ByteLevel and whose model says byte_fallback: what transformers makes of a
+    GGUF file's gpt2 tokenizer (SmolLM2's). llguidance reads byte_fallback's convention
+    then, takes `Ġanswer` for the bytes of `Ġ` and `answer`, and refuses every token that
+    starts with a space where a grammar writes one. Told plainly that it is byte-level, it
+    reads each token's bytes as the tokenizer decodes them."""
+    def byte_level(node) -> bool:
+        if not isinstance(node, dict):
+            return False
+        return node.get("type") == "ByteLevel" or any(
+            byte_level(n) for n in node.get("pretokenizers", node.get("decoders", [])))
+
+    decoder = spec.get("decoder")
+    if not byte_level(spec.get("pre_tokenizer")) or not byte_level(decoder) or \
+            decoder.get("type") == "ByteLevel":
+        return spec
+    return {**spec, "decoder": {"type": "ByteLevel", "add_prefix_space": True,
+                                "trim_offsets": True, "use_regex": True},
+            "model": {**spec["model"], "byte_fallback": False}}
 
 
 def parser_limits():

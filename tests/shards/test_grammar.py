@@ -169,3 +169,31 @@ def test_draft_rows_are_masked_as_decoding_masks_them_after_each_draft(llama_dir
     again = torch.zeros(1, vocab)
     assert grammars.mask(again, ["r"]) == {} and torch.equal(again[0] == 0, expected[0])
     assert grammars.advance([("r", t) for t in ids]) == {}
+
+
+def test_a_gguf_file_s_byte_level_tokens_are_read_as_their_bytes():
+    """transformers makes SmolLM2's GGUF tokenizer (GPT-2's byte-level BPE) a decoder of
+    SentencePiece's steps around ByteLevel, with byte_fallback set; llguidance took its
+    `Ġanswer` for the bytes of `Ġ` and `answer` then, and refused a grammar's literal
+    spaces (the shipped config answered 400 to `"The answer is " ("yes" | "no")`). Each
+    token's bytes are now those the tokenizer decodes to."""
+    from deployments import grammar
+    from shards.checkpoints.resolve import load_tokenizer as load_hf
+    from shards.checkpoints.resolve import model_dir
+    from shards.model.grammar import load_tokenizer
+    from tests.reference import smollm2_gguf
+
+    path = model_dir(str(smollm2_gguf()))
+    hf = load_hf(path)
+    ll = load_tokenizer(path, len(hf))
+    ids = hf("The answer is yes.", add_special_tokens=False).input_ids
+    assert hf.convert_ids_to_tokens(ids)[1] == "Ġanswer"
+    assert ll.decode_bytes(ids) == b"The answer is yes."
+    for text in ('root ::= "The answer is " ("yes" | "no") "."',
+                 'start: "The answer is " ("yes" | "no") "."'):
+        matcher = llguidance.LLMatcher(ll, grammar.context_free(text), log_level=0)
+        assert matcher.validate_tokens(ids) == len(ids), text
+    # every whole-text token (no partial UTF-8, no special token) reads as it decodes
+    words = [i for i in range(0, len(hf), 97)
+             if "\ufffd" not in hf.decode([i]) and i not in hf.all_special_ids]
+    assert [ll.decode_bytes([i]) for i in words] == [hf.decode([i]).encode() for i in words]
