@@ -101,9 +101,9 @@ def _restrict(scores: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
             row[keep] = scores[i, keep]
             scores[i] = row
         if p.bad_words:
-            output = r.token_ids[r.num_prompt_tokens:]
-            banned = [w[-1] for w in p.bad_words if w[-1] < width and len(w) - 1 <= len(output)
-                      and tuple(output[len(output) - len(w) + 1:]) == w[:-1]]
+            drawn = len(r.token_ids) - r.num_prompt_tokens  # a word's rest: output only
+            banned = [w[-1] for w in p.bad_words if w[-1] < width and len(w) - 1 <= drawn
+                      and tuple(r.token_ids[len(r.token_ids) - len(w) + 1:]) == w[:-1]]
             if banned:
                 scores[i, banned] = float("-inf")
     return scores
