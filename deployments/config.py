@@ -258,12 +258,15 @@ class Limits:
     # The LoRA adapters a request may name: name -> (the id batchers know it by, path);
     # the ingress's live view (deployments/adapters.py).
     adapters: Mapping[str, tuple[str, str]] = field(default_factory=dict)
+    # The model's end-of-sequence tokens (config.json's and generation_config.json's)
+    eos_token_ids: frozenset[int] = frozenset()
 
 
 def server_limits(args: AppArgs, max_position_embeddings: int,
-                  adapters: Mapping[str, tuple[str, str]] | None = None) -> Limits:
+                  adapters: Mapping[str, tuple[str, str]] | None = None,
+                  eos_token_ids: frozenset[int] = frozenset()) -> Limits:
     max_input, max_total = token_limits(args, max_position_embeddings)
     if adapters is None:
         adapters = {name: (name, path) for name, path in args.adapters}
     return Limits(max_input, max_total, args.max_stop_sequences, args.max_best_of,
-                  args.max_top_n_tokens, adapters)
+                  args.max_top_n_tokens, adapters, eos_token_ids)

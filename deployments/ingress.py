@@ -85,7 +85,7 @@ class Ingress:
         model_config = ModelConfig.from_pretrained(args.model)
         self.adapters = Adapters(args.adapters, metrics_hub, args.max_lora_rank, model_config)
         self.limits = server_limits(args, model_config.max_position_embeddings,
-                                    self.adapters.known)
+                                    self.adapters.known, model_config.eos_token_ids)
         grammars = GrammarChecker(args.model, model_config.vocab_size,
                                   args.grammar_check_timeout_s)
         self.metrics = Metrics(INGRESS)

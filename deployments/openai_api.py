@@ -251,7 +251,7 @@ class OpenAIApi:
         for k, prompt_ids in enumerate(prompt_ids_list):
             params = dataclasses.replace(
                 schema.params(self.limits, self.max_n, req, chat, len(prompt_ids)), **rules)
-            schema.check_token_ids(self.tokenizer, params)
+            schema.check_token_ids(self.tokenizer, params, self.limits.eos_token_ids)
             echo = (_Echo.of(self.tokenizer, prompt_ids, texts[k], req.logprobs or 0,
                              schema.prompt_only(req, chat)) if texts else None)
             if tool_calls:  # parsed from the text: without the end token's, which is

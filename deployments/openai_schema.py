@@ -414,10 +414,12 @@ def prompt_texts(req: CompletionRequest) -> list[str | None]:
                       else [req.prompt])]
 
 
-def check_token_ids(tok: Any, params: SamplingParams) -> None:
+def check_token_ids(tok: Any, params: SamplingParams,
+                    eos_token_ids: frozenset[int] = frozenset()) -> None:
     """Token ids a client named (logit_bias, stop_token_ids, allowed_token_ids) must be in
     the vocabulary: an id past the logits' width would fail the step of every request in
-    it."""
+    it. allowed_token_ids with min_tokens must leave a token that does not end the output,
+    or the first token would have nothing left to be drawn from."""
     named = [t for t, _ in params.logit_bias] + list(params.stop_token_ids) + \
         list(params.allowed_token_ids)
     if named:
@@ -425,6 +427,12 @@ def check_token_ids(tok: Any, params: SamplingParams) -> None:
         if any(t >= vocab for t in named):
             raise bad("logit_bias, stop_token_ids and allowed_token_ids must name token ids "
                       f"in [0, {vocab})")
+    if params.allowed_token_ids and params.min_tokens:
+        ends = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
+        if ends.issuperset(params.allowed_token_ids):
+            raise bad(f"min_tokens ({params.min_tokens}) needs a token in allowed_token_ids "
+                      "that does not end the output; every one is a stop or end-of-sequence "
+                      "token")
 
 
 def vocabulary_rules(tok: Any, req: CompletionRequest | ChatRequest) -> dict[str, Any]:
@@ -447,6 +455,9 @@ def vocabulary_rules(tok: Any, req: CompletionRequest | ChatRequest) -> dict[str
             words.append(spaced)
     if words:
         rules["bad_words"] = tuple(dict.fromkeys(words))
+        banned = {w[0] for w in words if len(w) == 1}  # never drawn, wherever they fall
+        if rules.get("allowed_token_ids") and banned.issuperset(rules["allowed_token_ids"]):
+            raise bad("bad_words bans every token of allowed_token_ids")
     return rules
 
 

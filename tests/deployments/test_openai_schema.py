@@ -324,6 +324,28 @@ def test_allowed_token_ids_and_bad_words_become_token_rules(tokenizer):
             vocabulary_rules(tokenizer, chat_request("hi", **fields))
     with pytest.raises(ApiError, match="allowed_token_ids must name token ids in"):
         check_token_ids(tokenizer, SamplingParams(allowed_token_ids=(len(tokenizer),)))
+    word = tokenizer.decode([plain[0]])  # a one-token word: banned everywhere
+    with pytest.raises(ApiError, match="bad_words bans every token of allowed_token_ids"):
+        vocabulary_rules(tokenizer, chat_request("hi", allowed_token_ids=[plain[0]],
+                                                 bad_words=[word]))
+    assert vocabulary_rules(tokenizer, chat_request(
+        "hi", allowed_token_ids=[plain[0], 9], bad_words=[word]))["allowed_token_ids"] == \
+        tuple(sorted({plain[0], 9}))
+
+
+def test_min_tokens_needs_an_allowed_token_that_does_not_end_the_output(tokenizer):
+    """With only end tokens allowed, min_tokens would mask every token of the first row:
+    refused, not drawn from nothing."""
+    eos = frozenset({2})
+    for only_ends in (SamplingParams(allowed_token_ids=(2,), min_tokens=3),
+                      SamplingParams(allowed_token_ids=(2, 7), stop_token_ids=(7,),
+                                     min_tokens=1)):
+        with pytest.raises(ApiError, match="min_tokens \\(\\d\\) needs a token in allowed"):
+            check_token_ids(tokenizer, only_ends, eos)
+    for fine in (SamplingParams(allowed_token_ids=(2,)),  # may end at once
+                 SamplingParams(allowed_token_ids=(2, 7), min_tokens=3),
+                 SamplingParams(allowed_token_ids=(2,), min_tokens=3, ignore_eos=True)):
+        check_token_ids(tokenizer, fine, eos)
 
 
 def test_tgi_grammar_takes_a_json_schema_config():
