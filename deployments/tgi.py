@@ -86,6 +86,7 @@ def validate(request: TGIRequest, tokenizer: Any, limits: Limits, stream: bool) 
         prompt_logprobs=p.decoder_input_details,
         grammar=grammar_text,
         adapter=limits.adapters[p.adapter_id][0] if p.adapter_id else None,  # its id
+        watermark=p.watermark,
     )
     return ValidRequest(ids, params, best_of, sampling)
 
@@ -142,8 +143,6 @@ def _check_parameters(request: TGIRequest, limits: Limits, stream: bool
             else "no LoRA adapters (lora_adapters, POST /v1/load_lora_adapter)"
         raise ValidationError(f"`adapter_id` {p.adapter_id} is not loaded: this server "
                               f"serves {served}")
-    if p.watermark:
-        raise ValidationError("`watermark` is not supported")
     grammar_text = _grammar(p.grammar) if p.grammar is not None else None
     if any(not s for s in p.stop):
         raise ValidationError("`stop` sequences cannot be empty")

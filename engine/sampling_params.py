@@ -42,6 +42,9 @@ class SamplingParams:
     # vLLM's bad_words, as token id sequences: a sequence's last token is never drawn where
     # the output so far ends with the tokens before it (a one-token sequence: never).
     bad_words: tuple[tuple[int, ...], ...] = ()
+    # TGI's watermark (Kirchenbauer et al. 2023, arXiv 2301.10226): before each token, a
+    # green half of the vocabulary, drawn from the previous token, gets +2 on its logits.
+    watermark: bool = False
 
     def __post_init__(self) -> None:
         checks = [

@@ -1,13 +1,14 @@
 """Batched sampling on rank 0: one row of logits per request that needs a token.
 
-Order as TGI (and transformers' logits processors), after OpenAI's logit_bias (added to
-the logits first, as vLLM's logits processors come before its penalties) and vLLM's
-allowed_token_ids and bad_words (masks, as vLLM applies them before penalties): repetition
-penalty, frequency and presence penalties, then temperature, top-k, top-p, min-p,
-typical-p. Greedy rows take the argmax after the bias and penalties. Each sampled row
-draws from its own generator seeded by (request seed, output position), so a seeded
-request gives the same text whatever else is in the batch and after preemption. Logprobs
-are TGI's: log-softmax of the processed scores.
+Order as TGI (and transformers' logits processors): TGI's watermark, OpenAI's logit_bias
+(before the penalties, as vLLM's logits processors come before its penalties),
+vLLM's allowed_token_ids and bad_words (masks, as vLLM applies them before penalties),
+min_tokens' hold on the end tokens, repetition penalty, frequency and presence
+penalties, then temperature, top-k, top-p, min-p, typical-p. Greedy rows take the argmax
+after the bias and penalties. Each sampled row draws from its own generator seeded by
+(request seed, output position), so a seeded request gives the same text whatever else
+is in the batch and after preemption. Logprobs are TGI's: log-softmax of the processed
+scores.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class SampleResult:
 def sample(logits: torch.Tensor, rows: list[SampleRow],
            eos_token_ids: frozenset[int] = frozenset()) -> SampleResult:
     scores = logits.float()
+    if any(r.params.watermark for r in rows):
+        scores = _watermark(scores, rows)
     if any(r.params.logit_bias for r in rows):
         scores = _apply_logit_bias(scores, rows)
     if any(r.params.allowed_token_ids or r.params.bad_words for r in rows):
@@ -75,6 +78,28 @@ def sample(logits: torch.Tensor, rows: list[SampleRow],
 
 def _mix(seed: int, position: int) -> int:
     return hash((seed, position)) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+# TGI's watermark: the green list's share of the vocabulary, its logit bonus, and the
+# prime that seeds the list's draw from the previous token (TGI's WATERMARK_GAMMA and
+# WATERMARK_DELTA defaults; transformers' WatermarkingConfig with seeding_scheme="lefthash"
+# and context_width=1 draws the same list).
+WATERMARK_GAMMA, WATERMARK_DELTA, WATERMARK_KEY = 0.5, 2.0, 15485863
+
+
+def _watermark(scores: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Kirchenbauer et al.'s green list: a permutation of the vocabulary drawn by a CPU
+    generator seeded with the previous token, its first half raised by WATERMARK_DELTA.
+    Drawn on the CPU on every device, so a text's list is the same wherever it ran."""
+    scores = scores.clone()
+    width = scores.shape[1]
+    gen = torch.Generator()
+    for i, r in enumerate(rows):
+        if r.params.watermark:
+            gen.manual_seed(WATERMARK_KEY * r.token_ids[-1])
+            green = torch.randperm(width, generator=gen)[:int(width * WATERMARK_GAMMA)]
+            scores[i, green.to(scores.device)] += WATERMARK_DELTA
+    return scores
 
 
 def _apply_logit_bias(scores: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:

@@ -22,6 +22,8 @@ from benchmarks.serving_floor import build_app as floor_app
 from benchmarks.serving_floor import main as floor_benchmark
 from deployments.app import build_app
 from deployments.config import AppArgs
+from deployments.offline import LLM
+from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.integration  # Ray in the test process
 
@@ -101,7 +103,6 @@ VALIDATION = [
     ({"best_of": 2}, "you must use sampling when `best_of` is > 1"),
     ({"best_of": 2, "do_sample": True, "seed": 1}, "`seed` must not be set when `best_of` > 1"),
     ({"top_n_tokens": 6}, "`top_n_tokens` must be >= 0 and <= 5. Given: 6"),
-    ({"watermark": True}, "`watermark` is not supported"),
     ({"adapter_id": "my-lora"},
      "`adapter_id` my-lora is not loaded: this server serves no LoRA adapters "
      "(lora_adapters, POST /v1/load_lora_adapter)"),
@@ -160,6 +161,22 @@ def test_payload_limit_is_413(app):
     r = post("/generate", {"inputs": "x" * 100_000})
     assert r.status_code == 413
     assert r.json()["error_type"] == "payload_limit"
+
+
+def test_tgi_watermark_equals_the_offline_engine_s(app, llama_dir):
+    """TGI's `watermark: true` (the clients' `watermark=True`): greedy output through the
+    route equals the offline engine's with the watermark, which tests/shards/test_sampler.py
+    checks against transformers, and differs from the unmarked output."""
+    def ids(watermark: bool) -> list[int]:
+        r = post("/generate", {"inputs": "Tona sefi mole kari", "parameters": {
+            "max_new_tokens": 12, "details": True, "watermark": watermark}})
+        assert r.status_code == 200, r.text
+        return [t["id"] for t in r.json()["details"]["tokens"]]
+
+    llm = LLM(llama_dir, num_blocks=64)
+    prompt = llm.tokenizer("Tona sefi mole kari").input_ids
+    offline = llm.generate([prompt], SamplingParams(max_new_tokens=12, watermark=True))[0]
+    assert ids(True) == offline.token_ids != ids(False)
 
 
 def test_generate_headers_and_details(app):

@@ -18,7 +18,7 @@ from transformers.generation.logits_process import (
 from deployments.offline import LLM
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
-from shards.model.sampler import SampleRow, _apply_penalties, _warp, sample
+from shards.model.sampler import SampleRow, _apply_penalties, _warp, _watermark, sample
 from tests.reference import hf_model, make_prompts
 
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 0.9, 0.5, 0.0, -0.5, -1.0, -3.0, 1.4])
@@ -293,3 +293,35 @@ def test_logit_bias_is_added_first_and_only_to_its_row():
             for s in range(20)} == {8}
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias=((1, 101.0),))
+
+
+def test_watermark_raises_a_green_half_drawn_from_the_previous_token_only():
+    """TGI's watermark: +2 on half the vocabulary, a half that depends on the previous
+    token alone; rows without it in the same batch are untouched."""
+    on = SamplingParams(watermark=True)
+    rows = [SampleRow(on, 1, 0, [7, 3], 2), SampleRow(on, 2, 4, [9, 1, 3], 1),
+            SampleRow(on, 1, 0, [3, 7], 2), SampleRow(SamplingParams(), 1, 0, [3], 1)]
+    got = _watermark(torch.zeros(4, 1000), rows)
+    assert [int((row == 2.0).sum()) for row in got] == [500, 500, 500, 0]
+    assert set(got.unique().tolist()) == {0.0, 2.0}
+    assert torch.equal(got[0], got[1]) and not torch.equal(got[0], got[2])
+
+
+def test_watermark_equals_transformers_lefthash_watermarking(llm, llama_dir):
+    """Greedy with TGI's watermark equals transformers' generate with its watermarking
+    config in TGI's settings (green half, +2, the same key, seeded by the previous token),
+    and differs from the unmarked output; an unmarked request beside it is untouched."""
+    from transformers import WatermarkingConfig
+
+    prompts = make_prompts(2048, [9, 14], seed=37)
+    free = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=16))]
+    marked = SamplingParams(max_new_tokens=16, watermark=True)
+    got = llm.generate(prompts, [marked, SamplingParams(max_new_tokens=16)])
+    config = WatermarkingConfig(greenlist_ratio=0.5, bias=2.0, hashing_key=15485863,
+                                seeding_scheme="lefthash", context_width=1)
+    with torch.inference_mode():
+        ref = hf_model(llama_dir).generate(
+            torch.tensor([prompts[0]]), max_new_tokens=16, do_sample=False,
+            attention_mask=torch.ones(1, len(prompts[0])), watermarking_config=config)
+    assert got[0].token_ids == ref[0, len(prompts[0]):].tolist() != free[0]
+    assert got[1].token_ids == free[1]
