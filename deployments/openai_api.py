@@ -218,7 +218,7 @@ class OpenAIApi:
         want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
         view = _View(self, rid, req.model or self.model_name, chat, want_logprobs,
                      tool_calls, echoes, req.prompt_logprobs,
-                     bool(req.return_tokens_as_token_ids))
+                     bool(req.return_tokens_as_token_ids), req.return_token_ids)
         if req.stream:
             options = req.stream_options or schema.StreamOptions()
             return StreamingResponse(view.events(runs, options.include_usage,
@@ -318,6 +318,10 @@ class _View:
     # vLLM's: logprobs name tokens "token_id:ID", not by their text (which may not be
     # valid UTF-8 alone, or may not say which of two tokens it was)
     token_ids_as_names: bool = False
+    # vLLM's return_token_ids: the prompt's ids (a completion's choice, or a chat response)
+    # and each choice's output ids; streamed, the prompt's in the first chunk and each
+    # chunk's own output ids
+    token_ids: bool = False
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     def _name(self, token: int) -> str:
@@ -411,10 +415,16 @@ class _View:
                 choice["text"] = self._text(index, g.text, first=True)
                 if self.prompt_logprobs is not None:
                     choice["prompt_logprobs"] = self._ranked_prompt(g)
+            if self.token_ids:
+                choice["token_ids"] = [] if self._prompt_only(index) else g.token_ids
+                if not self.chat:
+                    choice["prompt_token_ids"] = g.prompt_token_ids
             choices.append(choice)
         body = {**self._envelope(choices, chunk=False), "usage": self.usage(runs)}
         if self.chat and self.prompt_logprobs is not None:  # one prompt: vLLM puts it here
             body["prompt_logprobs"] = self._ranked_prompt(runs[0])
+        if self.chat and self.token_ids:
+            body["prompt_token_ids"] = runs[0].prompt_token_ids
         return body
 
     def _ranked_prompt(self, g: Generation) -> list[dict | None]:
@@ -460,10 +470,26 @@ class _View:
 
         tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(runs)]
         calls = [tools.CallStream() for _ in runs]
+        # return_token_ids: output ids not yet sent, per choice (a chunk goes out only once
+        # its tokens make text, so a token may wait for the next)
+        unsent: list[list[int]] = [[] for _ in runs]
+        prompt_sent = [False] * len(runs)
+
+        def ids(index: int, choice: dict) -> dict:
+            if self.token_ids:
+                if not (self.chat or prompt_sent[index]):
+                    choice["prompt_token_ids"] = runs[index].prompt_token_ids
+                    prompt_sent[index] = True
+                choice["token_ids"], unsent[index] = unsent[index], []
+            return choice
+
         try:
             if self.chat:
                 for i in range(len(runs)):
-                    yield sse(self._chunk(i, {"role": "assistant", "content": ""}, None, None), i)
+                    first = self._chunk(i, {"role": "assistant", "content": ""}, None, None)
+                    if self.token_ids and i == 0:  # vLLM's: in the first chunk only
+                        first["prompt_token_ids"] = runs[0].prompt_token_ids
+                    yield sse(first, i)
             remaining = len(runs)
             while remaining:
                 index, output, exc = await queue.get()
@@ -478,16 +504,20 @@ class _View:
                 start = end - len(output.token_ids)
                 logprobs = self._logprobs(index, g, start, end)
                 finish = self._finish(index, g) if output.finished else None
+                if not self._prompt_only(index):
+                    unsent[index] += output.token_ids
                 if self.tool_calls:
                     for delta, why, lp in calls[index].chunks(output, finish, logprobs):
-                        yield sse(self._envelope([{"index": index, "delta": delta,
-                                                   "finish_reason": why, "logprobs": lp}],
-                                                 chunk=True), index)
+                        yield sse(self._envelope([ids(index, {
+                            "index": index, "delta": delta, "finish_reason": why,
+                            "logprobs": lp})], chunk=True), index)
                 else:
                     text = self._text(index, output.text, first=start == 0)
                     if text or finish or logprobs:
                         delta = {"content": text} if self.chat else text
-                        yield sse(self._chunk(index, delta, finish, logprobs), index)
+                        chunk = self._chunk(index, delta, finish, logprobs)
+                        ids(index, chunk["choices"][0])
+                        yield sse(chunk, index)
                 remaining -= output.finished
                 if output.finished:
                     self.api.admission.succeeded(g, self.route)

@@ -89,6 +89,9 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name: (values that change nothi
     "guided_decoding_backend": (_OFF, "guided_decoding_backend is not supported: remove it "
                                       "(vLLM's own advice since 0.12)"),
     "tool_prompt": (_OFF, "tool_prompt is not supported: the tools go to the chat template"),
+    # vLLM refuses it too unless started with priority scheduling
+    "priority": ((None, 0), "priority is not supported: requests are served first come, "
+                            "first served (priority must be 0)"),
 }
 
 
@@ -132,6 +135,8 @@ class _Common(BaseModel):
     truncate_prompt_tokens: int | None = None
     # vLLM's: logprobs name each token "token_id:ID" instead of by its text
     return_tokens_as_token_ids: bool = False
+    # vLLM's: the prompt's and the output's token ids beside the text (RL trainers read them)
+    return_token_ids: bool = False
     # vLLM's: only these tokens may be drawn; these words may not be written
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None

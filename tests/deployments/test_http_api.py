@@ -270,6 +270,7 @@ def test_openai_refuses_output_changing_fields_it_does_not_implement(app):
             ("/v1/completions", {**completion, "suffix": " end"}, "suffix"),
             ("/v1/chat/completions", {**chat, "echo": True}, "echo"),
             ("/v1/completions", {**completion, "best_of": 2}, "best_of"),
+            ("/v1/completions", {**completion, "priority": 1}, "priority"),
             ("/v1/chat/completions", {**chat, "guided_whitespace_pattern": " "},
              "guided_whitespace_pattern"),
             ("/v1/chat/completions", {**chat, "structured_outputs": {
@@ -284,7 +285,7 @@ def test_openai_refuses_output_changing_fields_it_does_not_implement(app):
         assert r.status_code == 400, (field, r.text)
         assert field in r.json()["error"]["message"]
     for path, body in (("/v1/completions", {**completion, "logit_bias": {}, "best_of": 1,
-                                            "user": "u", "length_penalty": 1.0}),
+                                            "user": "u", "length_penalty": 1.0, "priority": 0}),
                        ("/v1/chat/completions", {**chat, "modalities": ["text"],
                                                  "metadata": {"k": "v"}})):
         assert post(path, body).status_code == 200, body
@@ -298,6 +299,45 @@ def test_openai_refuses_output_changing_fields_it_does_not_implement(app):
         **chat, "messages": turns}).json()["usage"]["prompt_tokens"]
     r = post("/v1/chat/completions", {**chat, "continue_final_message": True})
     assert r.status_code == 400 and "continue_final_message" in r.json()["error"]["message"]
+
+
+def sse_events(path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", BASE + path, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        return [json.loads(line[5:]) for line in r.iter_lines()
+                if line.startswith("data:") and line != "data: [DONE]"]
+
+
+def test_openai_return_token_ids_as_vllm_returns_them(app, tokenizer):
+    """vLLM's return_token_ids: a completion's choices carry the prompt's ids and their
+    own output ids; a chat response the prompt's ids beside its choices' output ids.
+    Streamed, the prompt's ids come once (the first chunk) and the chunks' output ids add
+    up to the whole answer's, which the text decodes to."""
+    prompt = "Tona sefi mole"
+    completion = {"model": "m", "prompt": prompt, "max_tokens": 9, "temperature": 0,
+                  "return_token_ids": True}
+    whole = post("/v1/completions", completion).json()["choices"][0]
+    assert whole["prompt_token_ids"] == tokenizer(prompt).input_ids
+    assert len(whole["token_ids"]) == 9 and tokenizer.decode(whole["token_ids"]) == whole["text"]
+    chunks = sse_events("/v1/completions", {**completion, "stream": True})
+    assert [c["choices"][0].get("prompt_token_ids") for c in chunks] == \
+        [whole["prompt_token_ids"]] + [None] * (len(chunks) - 1)
+    assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == whole["token_ids"]
+    assert "token_ids" not in post("/v1/completions", {
+        **completion, "return_token_ids": False}).json()["choices"][0]
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 7,
+            "temperature": 0, "return_token_ids": True, "n": 2}
+    body = post("/v1/chat/completions", chat).json()
+    templated = tokenizer.apply_chat_template(chat["messages"], add_generation_prompt=True)
+    assert body["prompt_token_ids"] == templated
+    for choice in body["choices"]:
+        assert tokenizer.decode(choice["token_ids"]) == choice["message"]["content"]
+    chunks = sse_events("/v1/chat/completions", {**chat, "n": 1, "stream": True})
+    assert chunks[0]["prompt_token_ids"] == templated
+    assert all("prompt_token_ids" not in c for c in chunks[1:])
+    assert sum((c["choices"][0].get("token_ids", []) for c in chunks), []) == \
+        body["choices"][0]["token_ids"]
 
 
 def test_openai_honours_vllm_top_k_and_repetition_penalty(app):
