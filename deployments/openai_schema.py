@@ -92,6 +92,9 @@ UNSUPPORTED: dict[str, tuple[tuple, str]] = {  # name: (values that change nothi
     # vLLM refuses it too unless started with priority scheduling
     "priority": ((None, 0), "priority is not supported: requests are served first come, "
                             "first served (priority must be 0)"),
+    "logprob_token_ids": ((None,), "logprob_token_ids is not supported; use top_logprobs"),
+    "watermarking": ((None, False), "watermarking is not supported on the OpenAI routes "
+                                    "(TGI's watermark is, on /generate)"),
 }
 
 
@@ -131,8 +134,12 @@ class _Common(BaseModel):
     min_tokens: int = 0  # vLLM's: nothing ends the output before it has this many tokens
     # vLLM's: each prompt token's logprob and rank, with this many alternatives
     prompt_logprobs: int | None = None
-    # vLLM's: keep only the prompt's last this many tokens (-1: as many as the server takes)
+    # vLLM's: keep only the prompt's last this many tokens (-1: as many as the server takes),
+    # or its first with truncation_side "right"
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    # vLLM's: cached prompt blocks are shared only among requests with the same salt
+    cache_salt: str | None = None
     # vLLM's: logprobs name each token "token_id:ID" instead of by its text
     return_tokens_as_token_ids: bool = False
     # vLLM's: the prompt's and the output's token ids beside the text (RL trainers read them)
@@ -377,6 +384,8 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
         raise bad(f"This model's maximum context length is {limits.max_total_tokens} tokens. "
                          f"However, you requested {num_prompt_tokens + max_tokens} tokens "
                          f"({num_prompt_tokens} in the prompt, {max_tokens} in the completion).")
+    if req.cache_salt == "":
+        raise bad("cache_salt must be a non-empty string")
     return SamplingParams(
         max_new_tokens=max_tokens, min_tokens=req.min_tokens, temperature=temperature,
         top_p=top_p, top_k=top_k, min_p=req.min_p,
@@ -386,7 +395,8 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
         stop_token_ids=stop_token_ids, include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens, logit_bias=tuple(sorted(bias.items())),
         prompt_logprobs=score_prompt or ranked, prompt_ranks=ranked,
-        prompt_top_n_tokens=max(top_n if score_prompt else 0, req.prompt_logprobs or 0))
+        prompt_top_n_tokens=max(top_n if score_prompt else 0, req.prompt_logprobs or 0),
+        cache_salt=req.cache_salt)
 
 
 def prompt_only(req: CompletionRequest | ChatRequest, chat: bool) -> bool:
@@ -398,7 +408,8 @@ def prompt_only(req: CompletionRequest | ChatRequest, chat: bool) -> bool:
 def truncated(limits: Limits, req: CompletionRequest | ChatRequest,
               prompt_ids: list[int]) -> list[int]:
     """vLLM's `truncate_prompt_tokens`: the prompt's last k tokens, as TGI's `truncate`
-    keeps them; -1 keeps as many as the server takes (`max_input_tokens`)."""
+    keeps them (its first with `truncation_side: "right"`); -1 keeps as many as the server
+    takes (`max_input_tokens`)."""
     k = req.truncate_prompt_tokens
     if k is None:
         return prompt_ids
@@ -407,7 +418,7 @@ def truncated(limits: Limits, req: CompletionRequest | ChatRequest,
     if not 1 <= k <= limits.max_input_tokens:
         raise bad(f"truncate_prompt_tokens must be -1 or between 1 and "
                   f"{limits.max_input_tokens} (max_input_tokens)")
-    return prompt_ids[-k:]
+    return prompt_ids[:k] if req.truncation_side == "right" else prompt_ids[-k:]
 
 
 def prompt_texts(req: CompletionRequest) -> list[str | None]:

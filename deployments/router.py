@@ -56,7 +56,8 @@ class PrefixCacheRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         try:
             decision, best_id = self.index.decide(
                 request.prompt_token_ids, {i: r.routing_stats for i, r in by_id.items()},
-                {i: self.replica_queue_len_cache.get(i) for i in by_id}, request.params.adapter)
+                {i: self.replica_queue_len_cache.get(i) for i in by_id},
+                request.params.adapter, request.params.prefix_namespace)
         except Exception:  # a malformed report must never stop routing
             logger.exception("prefix routing failed; using Serve's choice")
             decision, best_id = "fallback", None
@@ -107,7 +108,7 @@ class PrefixCacheRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         stats = self.index.fresh(replica.routing_stats) if replica is not None else None
         if stats is not None:
             self.index.remember(replica_id, request.prompt_token_ids, stats["block_size"],
-                                request.params.adapter)
+                                request.params.prefix_namespace)
 
     def _count(self, decision: str) -> None:
         self.decisions[decision] += 1

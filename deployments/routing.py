@@ -70,9 +70,10 @@ def unpack_hashes(data: bytes) -> frozenset[int]:
     return frozenset(values)
 
 
-def chain(token_ids: list[int], block_size: int, adapter: str | None = None) -> list[int]:
-    """The block names a replica gives the prompt's blocks (under its LoRA adapter)."""
-    return [h & _MASK for h in prefix_block_hashes(token_ids, block_size, adapter)]
+def chain(token_ids: list[int], block_size: int, namespace: str | None = None) -> list[int]:
+    """The block names a replica gives the prompt's blocks (under its prefix namespace:
+    SamplingParams.prefix_namespace)."""
+    return [h & _MASK for h in prefix_block_hashes(token_ids, block_size, namespace)]
 
 
 @dataclass(slots=True)
@@ -117,13 +118,15 @@ class PrefixIndex:
         return n
 
     def decide(self, token_ids: list[int], stats: dict, loads: dict,
-               adapter: str | None = None) -> tuple[str, object]:
+               adapter: str | None = None, namespace: str | None = None
+               ) -> tuple[str, object]:
         """stats: replica -> its report (None if missing); loads: replica -> requests it
         is serving (None: use its report). Returns ('prefix', holder), ('balance', the
         least busy other replica) or, with no prefix known, ('fallback', the least busy
         replica, or None where a load is unknown: Serve's own choice). A request of a LoRA
         `adapter` that only some replicas hold looks among those alone ('adapter' where
-        no prefix is known), unless they are busier than the margin."""
+        no prefix is known), unless they are busier than the margin. `namespace` names the
+        blocks (SamplingParams.prefix_namespace; the adapter's where not given)."""
         fresh = {r: s for r, s in ((r, self.fresh(s)) for r, s in stats.items()) if s}
         holders = self._adapter_holders(adapter, fresh, loads)
         if holders is not None:  # only they are candidates, as for a prefix
@@ -132,7 +135,7 @@ class PrefixIndex:
             decision = "adapter" if holders is not None else "fallback"
             return decision, self._least_busy(stats, fresh, loads)
         block_size = next(iter(fresh.values()))["block_size"]
-        names = chain(token_ids, block_size, adapter)
+        names = chain(token_ids, block_size, adapter if namespace is None else namespace)
         matched = {r: self.matched_blocks(r, s, names) for r, s in fresh.items()}
         load = {r: (loads.get(r) if loads.get(r) is not None else s["running"] + s["waiting"])
                 + self.in_transit(r) for r, s in fresh.items()}
@@ -180,10 +183,10 @@ class PrefixIndex:
         return random.choice([r for r, n in load.items() if n == low])
 
     def remember(self, replica, token_ids: list[int], block_size: int,
-                 adapter: str | None = None) -> None:
+                 namespace: str | None = None) -> None:
         recent = self._recent.setdefault(replica, OrderedDict())
         now = time.monotonic()
-        for h in chain(token_ids, block_size, adapter):
+        for h in chain(token_ids, block_size, namespace):
             recent[h] = now
             recent.move_to_end(h)
         while recent and (now - next(iter(recent.values())) > self.recent_ttl_s

@@ -24,23 +24,24 @@ BlockKey = tuple[int, tuple[int, ...]]
 ROOT = 0
 
 
-def prefix_root(adapter: str | None) -> int:
-    """The parent of a prompt's first block: ROOT for the base model, another for each LoRA
-    adapter, whose KV differs from the base model's for the same tokens, so that no block
-    is shared across adapters. From a digest of the name, the same in every process
-    (Python's str hash is salted per process)."""
-    if adapter is None:
+def prefix_root(namespace: str | None) -> int:
+    """The parent of a prompt's first block: ROOT for the base model, another for each
+    prefix namespace (SamplingParams.prefix_namespace: a LoRA adapter, whose KV differs
+    from the base model's for the same tokens, and a cache salt), so that no block is
+    shared across them. From a digest of the name, the same in every process (Python's str
+    hash is salted per process)."""
+    if namespace is None:
         return ROOT
-    return int.from_bytes(hashlib.blake2b(adapter.encode(), digest_size=8).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little")
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int,
-                        adapter: str | None = None) -> list[int]:
+                        namespace: str | None = None) -> list[int]:
     """The names (hashes of their keys) that the blocks of a prompt's cacheable prefix
     would have: the chain `get_computed_blocks` walks, computable in any process that has
     the token ids (the request router does, in the ingress)."""
     hashes: list[int] = []
-    parent = prefix_root(adapter)
+    parent = prefix_root(namespace)
     for i in range((len(token_ids) - 1) // block_size):
         parent = hash((parent, tuple(token_ids[i * block_size : (i + 1) * block_size])))
         hashes.append(parent)
@@ -95,16 +96,17 @@ class BlockManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.block_tables.get(request_id, [])
 
-    def get_computed_blocks(self, token_ids: Sequence[int], adapter: str | None = None
+    def get_computed_blocks(self, token_ids: Sequence[int], namespace: str | None = None
                             ) -> tuple[list[int], int]:
-        """Longest cached prefix of `token_ids` (under the LoRA adapter `adapter`), in whole
+        """Longest cached prefix of `token_ids` (in the prefix namespace `namespace`: a LoRA
+        adapter's, a cache salt's; SamplingParams.prefix_namespace), in whole
         blocks. At least one token is always left to compute, since its logits are needed
         to sample."""
         if not self.enable_prefix_caching:
             return [], 0
         max_blocks = (len(token_ids) - 1) // self.block_size
         hits: list[int] = []
-        parent = prefix_root(adapter)
+        parent = prefix_root(namespace)
         for i in range(max_blocks):
             key = (parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size]))
             block_id = self.cached_block_ids.get(key)
@@ -157,7 +159,7 @@ class BlockManager:
         return added
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_tokens: int,
-                          adapter: str | None = None) -> None:
+                          namespace: str | None = None) -> None:
         """Name the blocks that the first `num_tokens` tokens fill, so others can reuse
         them. Called when those tokens are scheduled: they are known, and any request that
         could hit them runs in a later step, after they are written."""
@@ -166,7 +168,7 @@ class BlockManager:
         table = self.block_tables[request_id]
         num_full = min(num_tokens, len(token_ids)) // self.block_size
         start = self.num_named_blocks.get(request_id, 0)
-        parent = self.blocks[table[start - 1]].hash if start else prefix_root(adapter)
+        parent = self.blocks[table[start - 1]].hash if start else prefix_root(namespace)
         for i in range(start, num_full):
             block = self.blocks[table[i]]
             key = (parent, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size]))

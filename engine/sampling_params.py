@@ -45,6 +45,17 @@ class SamplingParams:
     # TGI's watermark (Kirchenbauer et al. 2023, arXiv 2301.10226): before each token, a
     # green half of the vocabulary, drawn from the previous token, gets +2 on its logits.
     watermark: bool = False
+    # vLLM's cache_salt: a prompt's cached KV blocks are shared only with requests that
+    # carry the same salt (tenants that must not time each other's prompts).
+    cache_salt: str | None = None
+
+    @property
+    def prefix_namespace(self) -> str | None:
+        """Whose cached prefix blocks a request may share: those of its LoRA adapter (the KV
+        differs per adapter) and, with a cache_salt, of that salt only."""
+        if self.cache_salt is None:
+            return self.adapter
+        return f"{self.adapter or ''}\0{self.cache_salt}"
 
     def __post_init__(self) -> None:
         checks = [
@@ -73,6 +84,7 @@ class SamplingParams:
             (all(t >= 0 for t in self.allowed_token_ids), "allowed_token_ids must be token ids"),
             (all(w and min(w) >= 0 for w in self.bad_words),
              "bad_words must be non-empty sequences of token ids"),
+            (self.cache_salt is None or self.cache_salt != "", "cache_salt must not be empty"),
             (not (self.grammar and (self.allowed_token_ids or self.bad_words)),
              "allowed_token_ids and bad_words cannot be used with a grammar (it decides what "
              "may be drawn)"),

@@ -230,7 +230,7 @@ class Scheduler:
             computed, num_cached = [], 0
             if not request.params.prompt_logprobs:  # cached tokens would have no logprobs
                 computed, num_cached = self.block_manager.get_computed_blocks(
-                    request.token_ids, request.params.adapter)
+                    request.token_ids, request.params.prefix_namespace)
             num_new = request.num_tokens - num_cached
             if not self.config.enable_chunked_prefill and num_new > budget:
                 # Without chunking a prompt goes whole. One that can never fit is
@@ -302,7 +302,7 @@ class Scheduler:
             # Name only blocks whose tokens are known (a placeholder's are not yet).
             self.block_manager.cache_full_blocks(request_id, request.token_ids,
                                                  min(end, request.num_tokens),
-                                                 request.params.adapter)
+                                                 request.params.prefix_namespace)
             block_ids = self.block_manager.get_block_ids(request_id)
             if not request.on_shards:
                 new.append(NewRequestData(request_id, list(request.token_ids),

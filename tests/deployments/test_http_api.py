@@ -271,6 +271,9 @@ def test_openai_refuses_output_changing_fields_it_does_not_implement(app):
             ("/v1/chat/completions", {**chat, "echo": True}, "echo"),
             ("/v1/completions", {**completion, "best_of": 2}, "best_of"),
             ("/v1/completions", {**completion, "priority": 1}, "priority"),
+            ("/v1/completions", {**completion, "logprobs": 1, "logprob_token_ids": [5]},
+             "logprob_token_ids"),
+            ("/v1/chat/completions", {**chat, "watermarking": True}, "watermarking"),
             ("/v1/chat/completions", {**chat, "guided_whitespace_pattern": " "},
              "guided_whitespace_pattern"),
             ("/v1/chat/completions", {**chat, "structured_outputs": {
@@ -520,6 +523,11 @@ def test_openai_usage_reports_cached_prompt_tokens(app):
     second = post("/v1/completions", body).json()["usage"]
     cached = second["prompt_tokens_details"]["cached_tokens"]
     assert 0 < cached < 50 and cached % 16 == 0  # whole KV blocks
+    # vLLM's cache_salt: blocks shared only among requests with the same salt
+    salted = [post("/v1/completions", {**body, "cache_salt": "tenant-a"}).json()["usage"]
+              ["prompt_tokens_details"]["cached_tokens"] for _ in range(2)]
+    assert salted == [0, cached]
+    assert post("/v1/completions", {**body, "cache_salt": ""}).status_code == 400
     lines = post("/v1/completions", {**body, "stream": True,
                                      "stream_options": {"include_usage": True}}).text.splitlines()
     chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]

@@ -297,6 +297,10 @@ def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens():
     ids = list(range(10, 150))  # 140 tokens, past LIMITS.max_input_tokens (100)
     assert truncated(LIMITS, chat_request("hi"), ids) == ids
     assert truncated(LIMITS, chat_request("hi", truncate_prompt_tokens=3), ids) == [147, 148, 149]
+    # vLLM's truncation_side: "right" keeps the first k, "left" (the default) the last
+    for side, kept in (("right", [10, 11, 12]), ("left", [147, 148, 149])):
+        assert truncated(LIMITS, chat_request("hi", truncate_prompt_tokens=3,
+                                              truncation_side=side), ids) == kept
     assert truncated(LIMITS, CompletionRequest(model="m", prompt="hi", truncate_prompt_tokens=-1),
                      ids) == ids[-100:]
     assert truncated(LIMITS, chat_request("hi", truncate_prompt_tokens=50), ids[:5]) == ids[:5]

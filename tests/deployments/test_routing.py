@@ -57,7 +57,7 @@ def test_adapter_prompts_route_by_their_own_chain_and_to_replicas_holding_the_ad
     would load it first) unless they are busier than the margin."""
     bm = BlockManager(num_blocks=64, block_size=BS)
     bm.allocate("a", len(prompts["turn"]))
-    bm.cache_full_blocks("a", prompts["turn"], len(prompts["turn"]), adapter="sql@1")
+    bm.cache_full_blocks("a", prompts["turn"], len(prompts["turn"]), namespace="sql@1")
     assert bm.get_computed_blocks(prompts["turn"])[1] == 0
     assert bm.get_computed_blocks(prompts["turn"], "sql@2")[1] == 0
     assert bm.get_computed_blocks(prompts["turn"], "sql@1")[1] == len(prompts["turn"]) - 8

@@ -8,16 +8,17 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, prefix_block_hashes
+from engine.sampling_params import SamplingParams
 
 BS = 4
 
 
-def admit(bm: BlockManager, rid: str, tokens: list[int]) -> int:
-    computed, num_cached = bm.get_computed_blocks(tokens)
+def admit(bm: BlockManager, rid: str, tokens: list[int], namespace: str | None = None) -> int:
+    computed, num_cached = bm.get_computed_blocks(tokens, namespace)
     assert bm.can_allocate(rid, len(tokens), computed)
     bm.allocate(rid, len(tokens), computed)
-    bm.cache_full_blocks(rid, tokens, len(tokens))
+    bm.cache_full_blocks(rid, tokens, len(tokens), namespace)
     return num_cached
 
 
@@ -30,6 +31,30 @@ def test_prefix_hit_reuses_blocks_and_counts():
     assert bm.get_block_ids("a")[:2] == bm.get_block_ids("b")[:2]
     assert bm.blocks[bm.get_block_ids("a")[0]].ref_count == 2
     bm.check_integrity()
+
+
+def test_prefix_namespaces_share_blocks_only_within_themselves():
+    """A LoRA adapter's blocks and a cache salt's (vLLM's cache_salt), named by
+    SamplingParams.prefix_namespace, are found only by requests of the same adapter and
+    salt; the router's chain names them as the replica does."""
+    bm = BlockManager(64, BS)
+    tokens = list(range(10))
+
+    def space(**kw) -> str | None:
+        return SamplingParams(**kw).prefix_namespace
+
+    assert admit(bm, "a", tokens, space(cache_salt="t1")) == 0
+    assert admit(bm, "b", tokens, space()) == 0  # the base model, no salt
+    assert admit(bm, "c", tokens, space(cache_salt="t2")) == 0
+    assert admit(bm, "d", tokens, space(cache_salt="t1")) == 8
+    assert admit(bm, "e", tokens, space(adapter="t1")) == 0  # an adapter named as the salt
+    assert admit(bm, "f", tokens, space(adapter="x", cache_salt="t1")) == 0
+    assert admit(bm, "g", tokens, space(adapter="x", cache_salt="t1")) == 8
+    assert admit(bm, "h", tokens, space()) == 8
+    names = prefix_block_hashes(tokens, BS, space(cache_salt="t1"))
+    assert names == [bm.blocks[b].hash for b in bm.get_block_ids("a")[:2]]
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")
 
 
 def test_full_prompt_hit_leaves_last_token_to_compute():
