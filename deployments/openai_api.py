@@ -214,7 +214,11 @@ class OpenAIApi:
             return not_found(str(exc))
         except Exception as exc:
             return self.error(exc)
-        rid = new_request_id("chatcmpl-" if chat else "cmpl-")
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        # vLLM's request_id, else the X-Request-Id that Serve's proxy sets (the client's
+        # if it sent one, else the id in Serve's request logs)
+        given = req.request_id or request.headers.get("x-request-id")
+        rid = prefix + given if given else new_request_id(prefix)
         want_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
         view = _View(self, rid, req.model or self.model_name, chat, want_logprobs,
                      tool_calls, echoes, req.prompt_logprobs,

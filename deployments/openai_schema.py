@@ -140,6 +140,8 @@ class _Common(BaseModel):
     truncation_side: Literal["left", "right"] | None = None
     # vLLM's: cached prompt blocks are shared only among requests with the same salt
     cache_salt: str | None = None
+    # vLLM's: the response's id after its prefix (the X-Request-Id header wins)
+    request_id: str | None = None
     # vLLM's: logprobs name each token "token_id:ID" instead of by its text
     return_tokens_as_token_ids: bool = False
     # vLLM's: the prompt's and the output's token ids beside the text (RL trainers read them)

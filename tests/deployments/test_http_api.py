@@ -328,6 +328,11 @@ def test_openai_return_token_ids_as_vllm_returns_them(app, tokenizer):
     assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == whole["token_ids"]
     assert "token_ids" not in post("/v1/completions", {
         **completion, "return_token_ids": False}).json()["choices"][0]
+    # vLLM's request_id names the response; else the X-Request-Id Serve's proxy keeps
+    assert post("/v1/completions", {**completion, "request_id": "r-1"},
+                headers={"X-Request-Id": "h-2"}).json()["id"] == "cmpl-r-1"
+    assert post("/v1/completions", completion,
+                headers={"X-Request-Id": "h-2"}).json()["id"] == "cmpl-h-2"
 
     chat = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 7,
             "temperature": 0, "return_token_ids": True, "n": 2}
