@@ -40,6 +40,7 @@ class Generation:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str = ""
     finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     prompt_ranks: list[int | None] | None = None
@@ -82,6 +83,7 @@ class Generation:
             self.num_cached_tokens = output.num_cached_tokens
         if output.finished:
             self.finish_reason = output.finish_reason
+            self.stop_reason = output.stop_reason
             self.end = time.monotonic()
             if output.finish_reason is FinishReason.ABORTED:
                 raise GenerationError("request aborted")

@@ -385,6 +385,10 @@ class _View:
     def _finish(self, index: int, g: Generation) -> str | None:
         return "length" if self._prompt_only(index) else _finish(g.finish_reason)
 
+    def _stop_reason(self, index: int, g: Generation) -> str | int | None:
+        """vLLM's: the stop string or stop token id that ended the choice, else None."""
+        return None if self._prompt_only(index) else g.stop_reason
+
     def _text(self, index: int, text: str, first: bool) -> str:
         """A completion's text (or a streamed piece of it) as returned: with `echo`, the
         prompt before the first piece; none of it with `max_tokens: 0`."""
@@ -406,6 +410,7 @@ class _View:
         choices = []
         for index, g in enumerate(runs):
             choice: dict[str, Any] = {"index": index, "finish_reason": self._finish(index, g),
+                                      "stop_reason": self._stop_reason(index, g),
                                       "logprobs": self._logprobs(index, g, 0, len(g.token_ids))}
             if self.tool_calls:
                 content, calls = tools.message(g.text)
@@ -514,12 +519,14 @@ class _View:
                     for delta, why, lp in calls[index].chunks(output, finish, logprobs):
                         yield sse(self._envelope([ids(index, {
                             "index": index, "delta": delta, "finish_reason": why,
-                            "logprobs": lp})], chunk=True), index)
+                            "stop_reason": None, "logprobs": lp})], chunk=True), index)
                 else:
                     text = self._text(index, output.text, first=start == 0)
                     if text or finish or logprobs:
                         delta = {"content": text} if self.chat else text
                         chunk = self._chunk(index, delta, finish, logprobs)
+                        if finish:
+                            chunk["choices"][0]["stop_reason"] = self._stop_reason(index, g)
                         ids(index, chunk["choices"][0])
                         yield sse(chunk, index)
                 remaining -= output.finished
@@ -535,7 +542,8 @@ class _View:
             self.api.admission.release()
 
     def _chunk(self, index: int, delta: Any, finish: str | None, logprobs: dict | None) -> dict:
-        choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish,
+                                  "stop_reason": None, "logprobs": logprobs}
         if self.chat:
             choice["delta"] = delta if finish is None or delta.get("content") else {}
         else:

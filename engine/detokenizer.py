@@ -57,6 +57,7 @@ class StopChecker:
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.num_emitted = 0
+        self.matched: str | None = None  # the stop string that ended the text
 
     def append(self, piece: str, check: bool = True) -> bool:
         """Add text; True if a stop string now ends the output (text is then trimmed).
@@ -76,6 +77,7 @@ class StopChecker:
                 found, stop_len = at, len(stop)
         if found == -1:
             return False
+        self.matched = self.text[found:found + stop_len]
         self.text = self.text[: found + stop_len] if self.include_stop_str else self.text[:found]
         return True
 

@@ -204,6 +204,9 @@ class LLMEngine:
             num_cached_tokens=request.num_cached_tokens,
             accepted_drafts=min(accepted, len(token_ids) - 1),
         )
+        if finished and request.finish_reason is FinishReason.STOP_SEQUENCE:
+            result.stop_reason = (state.stop.matched if state.stop.matched is not None
+                                  else token_ids[-1])  # a stop token
         if not state.first_sent:
             state.first_sent = True
             if request.first_scheduled_time is not None:

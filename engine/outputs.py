@@ -32,6 +32,9 @@ class RequestOutput:
     # Of token_ids, how many were speculation's drafts, checked and kept (the rest are the
     # request's own: one a step).
     accepted_drafts: int = 0
+    # On the last output, as vLLM's stop_reason: the stop string or stop token id that
+    # ended the output (None for EOS, length, abort).
+    stop_reason: str | int | None = None
 
 
 @dataclass(slots=True)

@@ -388,6 +388,13 @@ def test_openai_honours_vllm_stop_token_ids_and_include_stop_str(app):
     trimmed = post("/v1/completions", {**body, "stop": [stop]})
     assert kept.json()["choices"][0]["text"] == trimmed.json()["choices"][0]["text"] + stop
     assert kept.json()["choices"][0]["text"] == text[:text.index(stop) + len(stop)]
+    # vLLM's stop_reason: the stop string or stop token id that ended the choice
+    assert trimmed.json()["choices"][0]["stop_reason"] == stop
+    assert cut["choices"][0]["stop_reason"] == ids[at]
+    assert post("/v1/completions", body).json()["choices"][0]["stop_reason"] is None  # length
+    streamed = sse_events("/v1/completions", {**body, "stop": ["zzzq", stop], "stream": True})
+    assert [c["choices"][0]["stop_reason"] for c in streamed][-1] == stop
+    assert {c["choices"][0]["stop_reason"] for c in streamed[:-1]} <= {None}
     assert post("/v1/completions", {**body, "stop_token_ids": [-1]}).status_code == 400
     # min_tokens: the stop token is not drawn before 6 tokens (greedy draws another there)
     held = post("/v1/completions", {**body, "stop_token_ids": [ids[at]], "min_tokens": 6})
