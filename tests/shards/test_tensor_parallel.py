@@ -42,9 +42,7 @@ def ray_cluster(llama_dir, tmp_path_factory):
         SLOW_PATHS[delay] = slow_model(llama_dir, tmp_path_factory.mktemp(f"slow{delay:g}"))
     delays = tmp_path_factory.mktemp("slow-steps") / "delays.json"
     set_slow_steps(delays, {p: d for d, p in SLOW_PATHS.items()})
-    # The dashboard is on here (about 4 s) because the placement check goes through Ray's
-    # state API, which is served by it; the other modules run without it.
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=True, log_to_driver=False,
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
              configure_logging=False,
              runtime_env=slow_steps_runtime_env(delays))
     yield
@@ -204,12 +202,19 @@ def test_ranks_land_in_bundles_after_the_replicas_and_fall_back_to_cpu(llama_dir
     pg = placement_group([{"CPU": 1}, {"GPU": 1}, {"GPU": 1}])
     ray.get(pg.ready(), timeout=30)
 
+    def held() -> tuple[str | None, dict]:
+        """A rank's actor name and the resources it holds, bundle-scoped ones included
+        (get_assigned_resources leaves those out)."""
+        worker = ray._private.worker.global_worker
+        return ray.get_runtime_context().get_actor_name(), dict(worker.core_worker.resource_ids())
+
     @ray.remote(num_cpus=1)
     class Replica:  # stands in for the Serve replica that owns bundle 0
         def build(self, model_dir):
             group = ShardGroup(ShardConfig(model=model_dir, num_blocks=8), 2)
             try:
-                return group.placements()
+                return group.placements(), ray.get(
+                    [a.__ray_call__.remote(lambda self: held()) for a in group.actors])
             finally:
                 group.shutdown()
 
@@ -219,38 +224,19 @@ def test_ranks_land_in_bundles_after_the_replicas_and_fall_back_to_cpu(llama_dir
         placement_group=pg, placement_group_bundle_index=0,
         placement_group_capture_child_tasks=True)).remote()
     try:
-        placements = ray.get(replica.build.remote(llama_dir), timeout=120)
+        placements, holdings = ray.get(replica.build.remote(llama_dir), timeout=120)
     finally:
         ray.kill(replica)
         remove_placement_group(pg)
     pg_hex = pg.id.hex()
-    for rank, info in enumerate(placements):
-        state = _actor_state(info["actor_id"])
-        assert state.placement_group_id == pg_hex
-        # Ray names bundle-scoped resources <resource>_group_<bundle index>_<pg id>.
-        assert f"GPU_group_{rank + 1}_{pg_hex}" in state.required_resources, state
-        assert state.name == ""  # no name_prefix given
+    for rank, (info, (name, resources)) in enumerate(zip(placements, holdings, strict=True)):
+        # Ray names bundle-scoped resources <resource>_group_<bundle index>_<pg id>: the
+        # rank's GPU is its bundle's, in the replica's placement group.
+        assert f"GPU_group_{rank + 1}_{pg_hex}" in resources, resources
+        assert not name  # no name_prefix given
         assert info["gpu_ids"] and info["cuda_visible_devices"] == str(info["gpu_ids"][0])
         assert info["device"] == "cpu"  # logical GPU, no CUDA: tensors stay on CPU
     assert {p["cuda_visible_devices"] for p in placements} == {"0", "1"}
-
-
-def _actor_state(actor_id: str):
-    from ray.util.state import get_actor
-
-    # This cluster's address, not autodetection: another Ray instance on the machine (a
-    # `serve run` beside the suite) makes that fail with "multiple active Ray instances".
-    address = ray.get_runtime_context().gcs_address
-    deadline = time.monotonic() + 30
-    while True:  # the state API may lag behind actor creation
-        try:
-            state = get_actor(actor_id, address=address)
-            if state is not None:
-                return state
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-        time.sleep(0.5)
 
 
 def test_killing_a_shard_fails_in_flight_requests_fast_and_a_fresh_group_works(
