@@ -183,9 +183,14 @@ class LLMEngine:
                 piece += state.detokenizer.flush()
             pieces.append(piece)
             held = before + i + 1 < request.params.min_tokens  # no stop string ends it yet
-            if state.stop.append(piece, check=not held) and not finished:
-                self.scheduler.finish(request.request_id, FinishReason.STOP_SEQUENCE)
-                finished = True
+            if state.stop.append(piece, check=not held):
+                if not finished:
+                    self.scheduler.finish(request.request_id, FinishReason.STOP_SEQUENCE)
+                    finished = True
+                elif not last:  # it ends at a later row of these (EOS, a stop token, its
+                    # length): the string came first. (At the same row the end stands, as
+                    # TGI checks its length and EOS before stop strings.)
+                    request.finish_reason = FinishReason.STOP_SEQUENCE
                 if not last:  # a stop string within this step's tokens: the rest go
                     pieces[-1] += state.detokenizer.flush()
                     break

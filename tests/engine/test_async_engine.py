@@ -11,6 +11,7 @@ import pytest
 from engine.async_engine import AsyncEngine
 from engine.config import CacheConfig, SchedulerConfig
 from engine.llm_engine import LLMEngine
+from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from tests.engine.fake_worker import FakeWorker, next_token
 
@@ -305,3 +306,25 @@ def test_a_request_arriving_cuts_the_multi_step_in_flight_short():
     assert [t for tokens in a for t in tokens] == expected_tokens([11, 12], 30)
     assert [t for tokens in b for t in tokens] == expected_tokens([13, 14, 15], 5)
     assert max(map(len, a)) == 8  # with b gone, multi-steps again
+
+
+@pytest.mark.parametrize("max_new_tokens", [20, 3], ids=["then-eos", "then-length"])
+def test_a_stop_string_inside_a_multi_step_ends_the_output_there(max_new_tokens):
+    """A multi-step's tokens can hold a stop string and, after it, the output's end (EOS,
+    or its length): the output ends at the stop string, as one step at a time ends it,
+    with that text, finish reason and stop_reason."""
+    got = {}
+    for steps in (1, 4):
+        worker = FakeWorker(block_size=4, model=lambda ids: ids[-1] + 1)
+        engine = LLMEngine(SchedulerConfig(max_model_len=64, num_scheduler_steps=steps),
+                           CacheConfig(4, 32), LetterTokenizer(), frozenset({6}), worker)
+        engine.add_request("r", [1, 2], SamplingParams(max_new_tokens=max_new_tokens,
+                                                       stop=("e",)))  # token 4 is "e"
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        last = outputs[-1]
+        got[steps] = ([t for o in outputs for t in o.token_ids], "".join(o.text for o in outputs),
+                      last.finish_reason, last.stop_reason)
+        assert (max(s.num_steps for s in worker.steps) > 1) == (steps > 1)
+    assert got[4] == got[1] == ([3, 4], "d", FinishReason.STOP_SEQUENCE, "e")
