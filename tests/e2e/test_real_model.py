@@ -118,6 +118,24 @@ def test_chat_equals_transformers_on_the_same_file(client, model_name):
     assert chat.usage.prompt_tokens == prompt_tokens
 
 
+def test_a_stop_string_ends_the_answer_where_it_comes(client, model_name):
+    """Greedy, the answer ends at each stop string, wherever it falls in the multi-step or
+    the kept drafts that brought it (the answer's EOS came in the same one), streamed or
+    not; the choice names the string (vLLM's stop_reason)."""
+    expected = transformers_answer(QUESTION, 24)[0]
+    for stop in ("Paris", "France", "."):
+        chat = client.chat.completions.create(model=model_name, messages=QUESTION,
+                                              max_tokens=24, temperature=0, stop=[stop])
+        choice = chat.choices[0]
+        assert choice.message.content == expected[:expected.index(stop)], stop
+        assert (choice.finish_reason, choice.model_extra["stop_reason"]) == ("stop", stop)
+        pieces = client.chat.completions.create(model=model_name, messages=QUESTION,
+                                                max_tokens=24, temperature=0, stop=[stop],
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == \
+            choice.message.content
+
+
 def speculation_counters() -> dict[str, float]:
     text = httpx.get(f"{BASE}/metrics", timeout=10).text
     names = ("raygen_speculation_draft_tokens_total", "raygen_speculation_accepted_tokens_total",
