@@ -54,25 +54,24 @@ class StopChecker:
     def __init__(self, stop: tuple[str, ...], include_stop_str: bool = False):
         self.stop = stop
         self.include_stop_str = include_stop_str
-        self.holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""
         self.num_emitted = 0
         self.matched: str | None = None  # the stop string that ended the text
 
     def append(self, piece: str, check: bool = True) -> bool:
         """Add text; True if a stop string now ends the output (text is then trimmed).
-        Unchecked text (min_tokens) is never searched again."""
+        A stop string counts only where it ends in the new piece: one that lies wholly in
+        unchecked text (min_tokens) is never found later, whatever is appended after it."""
         if not piece:
             return False
-        if not check:
-            self.text += piece
-            return False
-        search_from = max(0, len(self.text) - self.holdback)
+        before = len(self.text)
         self.text += piece
+        if not check:
+            return False
         found = -1
         stop_len = 0
         for stop in self.stop:
-            at = self.text.find(stop, search_from)
+            at = self.text.find(stop, max(0, before - len(stop) + 1))
             if at != -1 and (found == -1 or at < found):
                 found, stop_len = at, len(stop)
         if found == -1:

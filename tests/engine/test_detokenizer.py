@@ -80,3 +80,16 @@ def test_earliest_of_several_stop_strings_wins():
     checker = StopChecker(("zz", "b"))
     assert checker.append("aazzb")
     assert checker.text == "aa"
+
+
+def test_a_stop_string_must_end_in_the_text_just_checked():
+    """Text held unchecked (min_tokens) is never searched later: a short stop string that
+    lies wholly in it is not found when checking starts, even inside a longer stop
+    string's reach; one that runs from it into the checked text is."""
+    checker = StopChecker((".", "\n4."))
+    assert not checker.append("1. 1\n2. ", check=False)
+    assert not checker.append("2")  # the "." two characters back was never checked
+    assert checker.append(" 3.") and checker.text == "1. 1\n2. 2 3"
+    straddling = StopChecker(("2. 2",))
+    assert not straddling.append("1. 1\n2.", check=False)
+    assert straddling.append(" 2") and straddling.matched == "2. 2"
