@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import random
 
 import pytest
 
@@ -328,3 +329,49 @@ def test_a_stop_string_inside_a_multi_step_ends_the_output_there(max_new_tokens)
                       last.finish_reason, last.stop_reason)
         assert (max(s.num_steps for s in worker.steps) > 1) == (steps > 1)
     assert got[4] == got[1] == ([3, 4], "d", FinishReason.STOP_SEQUENCE, "e")
+
+
+def test_ends_are_the_same_one_step_at_a_time_in_multi_steps_and_with_drafts():
+    """Differential: random greedy requests, one at a time, whose stop strings and stop
+    tokens are cut from their own free outputs, with min_tokens, max_new_tokens,
+    include_stop_str_in_output and ignore_eos drawn at random, end with the same tokens,
+    text, finish reason and stop_reason in single steps, in multi-steps of 4 and with
+    drafts. The model copies the token four back, so drafts are kept, and some prompts
+    hold its EOS. Two bugs this found: a stop string followed in the same multi-step by
+    EOS or the length limit ended nothing, and with min_tokens a stop string lying in the
+    unchecked text ended the output later."""
+    def engine(**knobs) -> LLMEngine:
+        return LLMEngine(SchedulerConfig(max_model_len=256, **knobs), CacheConfig(4, 64),
+                         LetterTokenizer(), frozenset({6}),
+                         FakeWorker(block_size=4, model=lambda ids: ids[-4]))
+
+    def run(e: LLMEngine, prompt: list[int], params: SamplingParams):
+        e.add_request("r", prompt, params)
+        outputs = []
+        while e.has_unfinished_requests():
+            outputs += e.step()
+        return ([t for o in outputs for t in o.token_ids], "".join(o.text for o in outputs),
+                outputs[-1].finish_reason, outputs[-1].stop_reason)
+
+    engines = {"single": engine(num_scheduler_steps=1), "multi": engine(num_scheduler_steps=4),
+               "drafts": engine(num_scheduler_steps=4, speculate=4)}
+    rng = random.Random(5)
+    kinds = set()
+    for n in range(120):
+        prompt = [rng.randrange(26) for _ in range(rng.randint(4, 9))]
+        ids, text, _, _ = run(engines["single"], prompt, SamplingParams(max_new_tokens=32,
+                                                                         ignore_eos=True))
+        knobs: dict = {"max_new_tokens": rng.randint(1, 32), "ignore_eos": rng.random() < 0.2}
+        knobs["min_tokens"] = rng.choice([0, rng.randint(0, knobs["max_new_tokens"])])
+        if rng.random() < 0.8:
+            cuts = [rng.randrange(len(text)) for _ in range(rng.randint(1, 2))]
+            knobs["stop"] = tuple({text[a:a + rng.randint(1, 5)] for a in cuts})
+            knobs["include_stop_str_in_output"] = rng.random() < 0.3
+        if rng.random() < 0.3:
+            knobs["stop_token_ids"] = (rng.choice(ids),)
+        got = {name: run(e, prompt, SamplingParams(**knobs)) for name, e in engines.items()}
+        assert got["multi"] == got["drafts"] == got["single"], (n, prompt, knobs)
+        kinds.add(got["single"][2])
+    assert kinds == set(FinishReason) - {FinishReason.ABORTED, FinishReason.ERROR}
+    assert engines["drafts"].scheduler.stats.num_accepted_tokens > 0
+    assert engines["multi"].scheduler.stats.num_steps < engines["single"].scheduler.stats.num_steps
