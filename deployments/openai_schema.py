@@ -140,7 +140,7 @@ class _Common(BaseModel):
     truncation_side: Literal["left", "right"] | None = None
     # vLLM's: cached prompt blocks are shared only among requests with the same salt
     cache_salt: str | None = None
-    # vLLM's: the response's id after its prefix (the X-Request-Id header wins)
+    # vLLM's: the response's id after its prefix (else the X-Request-Id header's)
     request_id: str | None = None
     # vLLM's: logprobs name each token "token_id:ID" instead of by its text
     return_tokens_as_token_ids: bool = False
