@@ -4,6 +4,7 @@ first one that differs."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +13,11 @@ from engine.messages import PromptScores, StepOutput
 from shards.model.attention import AttentionMetadata, PrefillSeq
 from shards.model.grammar import Grammars
 from shards.model.sampler import SampleRow, sample
+
+# A row whose every token a request's own rules masked (allowed_token_ids, a bad word that
+# its output so far completes, min_tokens' hold on the end tokens): the request cannot go on.
+NOTHING_LEFT = ("no token may be drawn at output position {}: allowed_token_ids, bad_words "
+                "and min_tokens together forbid every token there")
 
 
 def metadata(backend, dev: torch.device, decodes, prefills, num_tokens: int,
@@ -138,8 +144,15 @@ def make_output(logits: torch.Tensor | None, samples: list[Sample],
         # A drafting request keeps its rows up to the first draft that differs from what
         # was drawn there; what is drawn is what decoding without drafts would draw.
         failed: set[str] = set()
-        for s, token in zip(samples, result.token_ids, strict=True):
-            kept.append(-1 if s.request_id in failed else token)
+        for s, token, logprob in zip(samples, result.token_ids, result.logprobs, strict=True):
+            if s.request_id in failed or s.request_id in errors:
+                kept.append(-1)
+                continue
+            if math.isnan(logprob):  # every token masked: nothing may be drawn here
+                errors[s.request_id] = NOTHING_LEFT.format(s.row.position)
+                kept.append(-1)
+                continue
+            kept.append(token)
             if s.draft is not None and token != s.draft:
                 failed.add(s.request_id)
         if grammars is not None:

@@ -269,6 +269,8 @@ class ModelRunner:
                 seq = self.seqs[request_id]
                 new = seq.token_ids[known[request_id]:]
                 left[request_id] -= len(new)
+                if not new:  # its first row was not kept: it failed (rank 0's errors)
+                    left[request_id] = 0
                 if any(self._ends(seq, token_id) for token_id in new):
                     left[request_id] = 0
                 if request_id in drafts:

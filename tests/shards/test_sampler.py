@@ -272,6 +272,33 @@ def test_allowed_token_ids_and_bad_words_equal_transformers(llm, llama_dir):
     assert set(got.token_ids) <= set(keep)
 
 
+@pytest.mark.parametrize("steps, speculate", [(1, 0), (4, 0), (4, 2)])
+def test_a_row_with_every_token_masked_fails_its_request_alone(llama_dir, steps, speculate):
+    """allowed_token_ids whose every token a two-token bad word bans once the output has
+    drawn one of them: the second row has nothing left to draw. That request fails and says
+    why (it drew token 0 with a NaN logprob before, in single steps, multi-steps and with
+    drafts alike); the plain request beside it decodes as it does alone."""
+    llm = LLM(llama_dir, num_blocks=128, num_scheduler_steps=steps, speculate=speculate)
+    prompt, other = make_prompts(2048, [12, 9], seed=41)
+    a, b = 100, 200
+    cornered = SamplingParams(max_new_tokens=8, allowed_token_ids=(a, b),
+                              bad_words=((a, a), (a, b), (b, a), (b, b)))
+    plain = SamplingParams(max_new_tokens=12)
+    alone = llm.generate([other], plain)[0].token_ids
+    llm.engine.add_request("cornered", prompt, cornered)
+    llm.engine.add_request("plain", other, plain)
+    outputs: dict[str, list] = {"cornered": [], "plain": []}
+    while not all(o and o[-1].finished for o in outputs.values()):
+        for output in llm.engine.step():
+            outputs[output.request_id].append(output)
+    last = outputs["cornered"][-1]
+    assert last.finish_reason == FinishReason.ERROR
+    assert "no token may be drawn at output position 1" in last.error
+    drawn = [t for o in outputs["cornered"] for t in o.token_ids]
+    assert len(drawn) <= 1 and set(drawn) <= {a, b}
+    assert [t for o in outputs["plain"] for t in o.token_ids] == alone
+
+
 def test_logit_bias_is_added_first_and_only_to_its_row():
     """OpenAI's logit_bias: +100 makes a token the greedy and the sampled choice, -100 takes
     the argmax away; rows without a bias in the same batch are untouched."""
