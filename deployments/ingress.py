@@ -8,6 +8,7 @@ JSON, the concurrency cap, metrics, error mapping) and are two adapters over it
 # Serve's class-based routes.
 
 import asyncio
+import importlib.metadata
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -15,7 +16,7 @@ from ray import serve
 
 from deployments import openai_schema, tgi
 from deployments.adapters import Adapters
-from deployments.admission import Admission
+from deployments.admission import Admission, ApiError
 from deployments.channels import OutputChannels
 from deployments.config import DEMO_MODEL, AppArgs, server_limits
 from deployments.grammar import GrammarChecker
@@ -34,6 +35,7 @@ from shards.worker import logs
 # call waits for the new one, and a probe then got a late 200 after 8 s instead of a 503.
 # Kubernetes' default probe timeout is 1 s.
 HEALTH_TIMEOUT_S = 2.0
+VERSION = importlib.metadata.version("raygen")  # pyproject.toml's
 
 app = FastAPI(title="raygen", summary="TGI- and OpenAI-compatible text generation on Ray Serve")
 # Routes read raw bodies (payload limit, strict JSON, TGI-shaped errors), so FastAPI cannot
@@ -46,12 +48,15 @@ BODIES = {"/generate": tgi.TGIRequest, "/generate_stream": tgi.TGIRequest, "/": 
           "/v1/load_lora_adapter": openai_schema.LoadLoRAAdapter,
           "/v1/unload_lora_adapter": openai_schema.UnloadLoRAAdapter}
 
+# SageMaker's /invocations takes any of these (TGI's order: the first that fits).
+INVOCATIONS = (tgi.TGIRequest, openai_schema.ChatRequest, openai_schema.CompletionRequest)
+
 
 def _openapi() -> dict:
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
 
-        spec = get_openapi(title=app.title, version="0.1.0", summary=app.summary, routes=app.routes)
+        spec = get_openapi(title=app.title, version=VERSION, summary=app.summary, routes=app.routes)
         schemas = spec.setdefault("components", {}).setdefault("schemas", {})
         for path, model in BODIES.items():
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
@@ -59,6 +64,9 @@ def _openapi() -> dict:
             schemas[model.__name__] = schema
             spec["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
                 "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        spec["paths"]["/invocations"]["post"]["requestBody"] = {"required": True, "content": {
+            "application/json": {"schema": {"anyOf": [
+                {"$ref": f"#/components/schemas/{m.__name__}"} for m in INVOCATIONS]}}}}
         app.openapi_schema = spec
     return app.openapi_schema
 
@@ -134,6 +142,24 @@ class Ingress:
     async def compat_generate(self, request: Request) -> Response:
         return await self.tgi.generate(request, stream_tokens=None)
 
+    @app.post("/invocations")
+    async def invocations(self, request: Request) -> Response:
+        """Amazon SageMaker's route, as TGI serves it: TGI's body (`inputs`), a chat
+        completion (`messages`) or a completion (`prompt`), told apart by that field."""
+        try:
+            body = await self.admission.read_json(request)
+            kind = next((k for k in ("inputs", "messages", "prompt")
+                         if isinstance(body, dict) and k in body), None)
+            if kind is None:
+                raise ApiError(422, "an /invocations body needs `inputs` (TGI's generate), "
+                               "`messages` (a chat completion) or `prompt` (a completion)",
+                               "validation")
+        except Exception as exc:
+            return self.tgi.error(exc)
+        if kind == "inputs":
+            return await self.tgi.generate(request, stream_tokens=None, body=body)
+        return await self.openai.create(request, chat=kind == "messages", body=body)
+
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:
         """TGI's (a body with `inputs`) or vLLM's (`prompt` or `messages`)."""
@@ -150,6 +176,7 @@ class Ingress:
     async def chat_tokenize(self, request: Request) -> Response:
         return await self.tgi.chat_tokenize(request)
 
+    @app.get("/ping")  # SageMaker's health check, as TGI and vLLM answer it
     @app.get("/health")
     async def health(self) -> Response:
         try:
@@ -162,6 +189,10 @@ class Ingress:
             return JSONResponse(tgi.error_json(f"unhealthy: {exc}"[:500], "healthcheck"),
                                 status_code=503)
         return Response(status_code=200)
+
+    @app.get("/version")  # vLLM's
+    async def version(self) -> Response:
+        return JSONResponse({"version": VERSION})
 
     @app.get("/info")
     async def info(self, request: Request) -> Response:
@@ -186,7 +217,7 @@ class Ingress:
             "max_waiting_tokens": max_waiting_tokens, "max_batch_size": a.max_batch_size,
             "waiting_served_ratio": waiting_served_ratio, "speculate": a.speculate,
             "validation_workers": 1,
-            "max_client_batch_size": 1, "router": "raygen", "version": "0.1.0", "sha": None,
+            "max_client_batch_size": 1, "router": "raygen", "version": VERSION, "sha": None,
             "docker_label": None,
             # raygen's own: how the shards compute (the weight products, the attention).
             "raygen": self.batcher_info,

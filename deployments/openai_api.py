@@ -203,11 +203,13 @@ class OpenAIApi:
             raise schema.bad(f"Invalid grammar: {exc}") from exc
         return constraint, tool_calls
 
-    async def create(self, request: Request, chat: bool) -> Response:
-        """POST /v1/completions (chat=False) or /v1/chat/completions (chat=True)."""
+    async def create(self, request: Request, chat: bool, body: Any = None) -> Response:
+        """POST /v1/completions (chat=False) or /v1/chat/completions (chat=True); `body`:
+        the JSON already read (/invocations)."""
         try:
-            req = await self.admission.read(
-                request, schema.ChatRequest if chat else schema.CompletionRequest)
+            model = schema.ChatRequest if chat else schema.CompletionRequest
+            req = (self.admission.parse(body, model) if body is not None
+                   else await self.admission.read(request, model))
             runs, echoes, tool_calls = await self.runs(req, chat)
             self.admission.admit()
         except AdapterNotFound as exc:

@@ -52,12 +52,15 @@ class TGIApi:
         return JSONResponse(tgi.error_json(failure.message, failure.error_type),
                             status_code=failure.status)
 
-    async def generate(self, request: Request, stream_tokens: bool | None) -> Response:
-        """POST /generate (False), /generate_stream (True) or / (None: the body's `stream`)."""
+    async def generate(self, request: Request, stream_tokens: bool | None,
+                       body: Any = None) -> Response:
+        """POST /generate (False), /generate_stream (True) or / (None: the body's `stream`);
+        `body`: the JSON already read (/invocations)."""
         start = time.monotonic()
         compat = stream_tokens is None
         try:
-            req = await self.admission.read(request, tgi.TGIRequest)
+            req = (self.admission.parse(body, tgi.TGIRequest) if body is not None
+                   else await self.admission.read(request, tgi.TGIRequest))
             if compat:
                 stream_tokens = req.stream
             try:

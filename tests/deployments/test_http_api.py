@@ -246,6 +246,40 @@ def test_tokenize_and_info(app, tokenizer):
             "quant_blocks": None}}
 
 
+def test_sagemaker_invocations_answer_each_kind_of_body_as_its_own_route_does(app):
+    """TGI's SageMaker routes: /invocations takes TGI's body (`inputs`, streamed or not by
+    its `stream`), a chat completion's (`messages`) or a completion's (`prompt`) and answers
+    as that body's own route does; a body of none of them is a 422 that names the three;
+    /ping is /health."""
+    tgi_body = {"inputs": "Tona sefi mole", "parameters": {"max_new_tokens": 6,
+                                                             "details": True}}
+    r = post("/invocations", tgi_body)
+    assert r.status_code == 200, r.text
+    assert r.json() == post("/", tgi_body).json()
+    r = post("/invocations", {**tgi_body, "stream": True})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[5:]) for line in r.text.splitlines() if line.startswith("data:")]
+    assert len(events) == 6 and events[-1]["generated_text"] == \
+        post("/generate", tgi_body).json()["generated_text"]
+    for route, body, read in (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tona sefi"}]},
+             lambda c: c["message"]["content"]),
+            ("/v1/completions", {"prompt": "Tona sefi mole"}, lambda c: c["text"])):
+        body = {"model": "m", "max_tokens": 6, "temperature": 0, **body}
+        got, want = post("/invocations", body).json(), post(route, body).json()
+        assert got["object"] == want["object"]
+        for count in ("prompt_tokens", "completion_tokens"):
+            assert got["usage"][count] == want["usage"][count]
+        assert read(got["choices"][0]) == read(want["choices"][0])
+    r = post("/invocations", {"text": "hi"})
+    assert r.status_code == 422 and "`inputs`" in r.json()["error"] and \
+        r.json()["error_type"] == "validation"
+    assert post("/invocations", {"prompt": "hi", "max_tokens": 1000}).status_code == 400
+    assert httpx.get(BASE + "/ping", timeout=30).status_code == 200
+    assert httpx.get(BASE + "/version", timeout=30).json()["version"] == \
+        httpx.get(BASE + "/info", timeout=30).json()["version"]
+
+
 def test_openai_errors_use_openai_shape(app):
     for payload in (
         {"model": "m", "prompt": "hi", "temperature": 3},
@@ -561,7 +595,8 @@ def test_api_key_guards_every_route_but_health(app):
                                ("GET", "/locked/info", None), ("GET", "/locked/metrics", None),
                                ("GET", "/locked/v1/models", None),
                                ("GET", "/locked/v1/models/m", None),
-                               ("POST", "/locked/v1/completions", {"model": "m", "prompt": "hi"})):
+                               ("POST", "/locked/v1/completions", {"model": "m", "prompt": "hi"}),
+                               ("POST", "/locked/invocations", {"inputs": "hi"})):
         r = httpx.request(method, BASE + path, json=body, timeout=30)
         assert r.status_code == 401, path
         r = httpx.request(method, BASE + path, json=body, timeout=30,
