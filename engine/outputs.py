@@ -52,6 +52,7 @@ class CompletionOutput:
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None
     prompt_ranks: list[int | None] | None
     num_cached_tokens: int
+    stop_reason: str | int | None = None  # as RequestOutput's
 
     @classmethod
     def collect(cls, prompt_token_ids: list[int], outputs: list[RequestOutput]) -> CompletionOutput:
@@ -71,4 +72,5 @@ class CompletionOutput:
                                       if o.prompt_top_logprobs), None),
             prompt_ranks=next((o.prompt_ranks for o in outputs if o.prompt_ranks), None),
             num_cached_tokens=first.num_cached_tokens,
+            stop_reason=last.stop_reason,
         )

@@ -27,7 +27,8 @@ def test_stop_string_spanning_tokens_ends_generation(llm):
     cut = len(pieces[k - 1])
     stop = full.text[cut - 2 : cut + 2]
     out = llm.generate([prompt], SamplingParams(max_new_tokens=30, stop=(stop,)))[0]
-    assert out.finish_reason is FinishReason.STOP_SEQUENCE
+    assert out.finish_reason is FinishReason.STOP_SEQUENCE and out.stop_reason == stop
+    assert full.stop_reason is None  # it ran to its length
     assert out.text == full.text[: full.text.index(stop)]
     assert out.token_ids == full.token_ids[: len(out.token_ids)]
     assert len(out.token_ids) <= k + 1
