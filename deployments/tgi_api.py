@@ -27,8 +27,18 @@ from deployments.generation import (
     stream,
 )
 from deployments.grammar import GrammarChecker, InvalidGrammar
+from engine.request import FinishReason
 
 logger = logging.getLogger("ray.serve")
+
+
+def finish_reason(g: Generation) -> str:
+    """TGI's: a generation that drew `max_new_tokens` tokens ended by its length, whatever
+    its last token (TGI checks the length before EOS and stop sequences; the engine lets
+    EOS, a stop token and a stop string that end there win, as vLLM does)."""
+    if len(g.token_ids) >= g.params.max_new_tokens:
+        return FinishReason.LENGTH.value
+    return g.finish_reason.value
 
 
 def sse(payload: Any) -> bytes:
@@ -153,7 +163,7 @@ class TGIApi:
                         "top_tokens": [self._token(t, self.tokenizer.decode([t]), lp)
                                        for t, lp in output.top_logprobs[i]],
                         "generated_text": self._full_text(req, g) if last else None,
-                        "details": {"finish_reason": g.finish_reason.value,
+                        "details": {"finish_reason": finish_reason(g),
                                     "generated_tokens": len(g.token_ids),
                                     "seed": g.params.seed if valid.sampling else None,
                                     "input_length": len(g.prompt_token_ids)} if last else None,
@@ -177,7 +187,7 @@ class TGIApi:
 
     def _details(self, g: Generation, valid, prefill: bool) -> dict:
         details = {
-            "finish_reason": g.finish_reason.value,
+            "finish_reason": finish_reason(g),
             "generated_tokens": len(g.token_ids),
             "seed": g.params.seed if valid.sampling else None,
             "prefill": [],

@@ -187,9 +187,11 @@ class LLMEngine:
                 if not finished:
                     self.scheduler.finish(request.request_id, FinishReason.STOP_SEQUENCE)
                     finished = True
-                elif not last:  # it ends at a later row of these (EOS, a stop token, its
-                    # length): the string came first. (At the same row the end stands, as
-                    # TGI checks its length and EOS before stop strings.)
+                elif not last or request.finish_reason is FinishReason.LENGTH:
+                    # It ends at a later row of these (EOS, a stop token, its length): the
+                    # string came first. At the same row the string wins over the length,
+                    # as vLLM's (the text was cut there); an EOS or a stop token stands.
+                    # TGI's routes report TGI's order themselves (tgi_api.finish_reason).
                     request.finish_reason = FinishReason.STOP_SEQUENCE
                 if not last:  # a stop string within this step's tokens: the rest go
                     pieces[-1] += state.detokenizer.flush()

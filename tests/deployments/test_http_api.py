@@ -404,6 +404,30 @@ def test_openai_honours_vllm_top_k_and_repetition_penalty(app):
     assert post("/v1/completions", {**body, "repetition_penalty": 0}).status_code == 400
 
 
+def test_a_stop_string_at_the_last_token_allowed_ends_each_route_in_its_order(app):
+    """The length limit and a stop string at the same token: TGI checks the length first
+    (finish_reason `length`, the string kept in its text); vLLM's stop string wins (`stop`,
+    its stop_reason, the string cut from the text)."""
+    prompt = "Tona sefi mole"
+    tokens = post("/generate", {"inputs": prompt, "parameters": {
+        "max_new_tokens": 24, "details": True}}).json()["details"]["tokens"]
+    texts = ["".join(t["text"] for t in tokens[:k]) for k in range(len(tokens) + 1)]
+    # the first length whose last token's text comes nowhere earlier in the text
+    n = next(k for k in range(4, 25) if texts[k][len(texts[k - 1]):].strip()
+             and texts[k].index(texts[k][len(texts[k - 1]):]) == len(texts[k - 1]))
+    text, stop = texts[n], texts[n][len(texts[n - 1]):]
+    tgi = post("/generate", {"inputs": prompt, "parameters": {
+        "max_new_tokens": n, "stop": [stop], "details": True}}).json()
+    assert tgi["details"]["finish_reason"] == "length" and tgi["generated_text"] == text
+    events = sse_events("/generate_stream", {"inputs": prompt, "parameters": {
+        "max_new_tokens": n, "stop": [stop]}})
+    assert events[-1]["details"]["finish_reason"] == "length"
+    body = {"model": "m", "prompt": prompt, "max_tokens": n, "temperature": 0, "stop": [stop]}
+    choice = post("/v1/completions", body).json()["choices"][0]
+    assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
+    assert choice["text"] == text[:-len(stop)]
+
+
 def test_openai_honours_vllm_stop_token_ids_and_include_stop_str(app):
     """vLLM's stop extensions, taken as the engine's own: a stop token ends the output
     where it first comes (it counts as generated, as an EOS does), and not before

@@ -309,18 +309,22 @@ def test_a_request_arriving_cuts_the_multi_step_in_flight_short():
     assert max(map(len, a)) == 8  # with b gone, multi-steps again
 
 
-@pytest.mark.parametrize("max_new_tokens", [20, 3], ids=["then-eos", "then-length"])
-def test_a_stop_string_inside_a_multi_step_ends_the_output_there(max_new_tokens):
+@pytest.mark.parametrize("max_new_tokens, stop, tokens, text", [
+    (20, "e", [3, 4], "d"), (3, "e", [3, 4], "d"), (3, "f", [3, 4, 5], "de")],
+    ids=["then-eos", "then-length", "at-the-length"])
+def test_a_stop_string_inside_a_multi_step_ends_the_output_there(max_new_tokens, stop,
+                                                                tokens, text):
     """A multi-step's tokens can hold a stop string and, after it, the output's end (EOS,
     or its length): the output ends at the stop string, as one step at a time ends it,
-    with that text, finish reason and stop_reason."""
+    with that text, finish reason and stop_reason. A string that ends at the length's own
+    token wins over the length too (vLLM's order: its text was cut there)."""
     got = {}
     for steps in (1, 4):
         worker = FakeWorker(block_size=4, model=lambda ids: ids[-1] + 1)
         engine = LLMEngine(SchedulerConfig(max_model_len=64, num_scheduler_steps=steps),
                            CacheConfig(4, 32), LetterTokenizer(), frozenset({6}), worker)
         engine.add_request("r", [1, 2], SamplingParams(max_new_tokens=max_new_tokens,
-                                                       stop=("e",)))  # token 4 is "e"
+                                                       stop=(stop,)))  # token 4 is "e"
         outputs = []
         while engine.has_unfinished_requests():
             outputs += engine.step()
@@ -328,7 +332,7 @@ def test_a_stop_string_inside_a_multi_step_ends_the_output_there(max_new_tokens)
         got[steps] = ([t for o in outputs for t in o.token_ids], "".join(o.text for o in outputs),
                       last.finish_reason, last.stop_reason)
         assert (max(s.num_steps for s in worker.steps) > 1) == (steps > 1)
-    assert got[4] == got[1] == ([3, 4], "d", FinishReason.STOP_SEQUENCE, "e")
+    assert got[4] == got[1] == (tokens, text, FinishReason.STOP_SEQUENCE, stop)
 
 
 def test_ends_are_the_same_one_step_at_a_time_in_multi_steps_and_with_drafts():
