@@ -139,6 +139,18 @@ def check_tensor_types(path: str | Path) -> None:
                                   "type the installed gguf package cannot dequantize")
 
 
+def tokenizer_flags(path: str | Path) -> dict[str, bool]:
+    """The file's own word on what its tokenizer adds to a text (llama.cpp reads these):
+    `add_bos_token` and `add_eos_token`, where the file says."""
+    fields = _reader(path).fields
+    flags = {}
+    for name in ("add_bos_token", "add_eos_token"):
+        field = fields.get(f"tokenizer.ggml.{name}")
+        if field is not None and field.data:
+            flags[name] = bool(field.parts[field.data[0]][0])
+    return flags
+
+
 # The quantization types whose blocks raygen's CPU kernels multiply by as they are
 # (shards/cpu/csrc/quant_linear.cpp), by the kernels' codes.
 KERNEL_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2}

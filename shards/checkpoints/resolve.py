@@ -25,8 +25,9 @@ from pathlib import Path
 
 GGUF_LINK = "model.gguf"  # in a converted directory: the file its weights are read from
 # Part of the cache key: a directory converted by older code (before the file's own special
-# tokens won, 2) is converted again rather than served with what that code got wrong.
-CONVERSION_VERSION = 2
+# tokens won, 2; before its add_bos_token and raw decoding, 3) is converted again rather
+# than served with what that code got wrong.
+CONVERSION_VERSION = 3
 
 
 class CheckpointError(ValueError):
@@ -107,7 +108,7 @@ def _convert(gguf_path: Path, out: Path) -> None:
     same file at once (an ingress and a batcher starting together) never see half of it."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from shards.checkpoints.gguf_weights import check_tensor_types
+    from shards.checkpoints.gguf_weights import check_tensor_types, tokenizer_flags
 
     check_tensor_types(gguf_path)
     folder, name = str(gguf_path.parent), gguf_path.name
@@ -126,6 +127,14 @@ def _convert(gguf_path: Path, out: Path) -> None:
         token_id = getattr(config, f"{role}_token_id", None)
         if isinstance(token_id, int) and getattr(tokenizer, f"{role}_token_id") != token_id:
             setattr(tokenizer, f"{role}_token", tokenizer.convert_ids_to_tokens(token_id))
+    # Its converter also adds a BOS to every text whatever the file says (SmolLM2's says
+    # no: a completion's prompt got <|im_start|> first, which llama.cpp and the original
+    # tokenizer never add), and tidies spaces before punctuation when decoding, which
+    # llama.cpp never does. The file's flags win, and text decodes as it was drawn.
+    for name, value in tokenizer_flags(gguf_path).items():
+        if hasattr(tokenizer, name):
+            setattr(tokenizer, name, value)
+    tokenizer.clean_up_tokenization_spaces = False
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:

@@ -36,6 +36,13 @@ def test_gguf_greedy_equals_transformers_gguf_loading():
     # The file's special tokens, not the converter's guess: grammars end on this EOS.
     assert llm.tokenizer.eos_token == "<|im_end|>"
     assert llm.tokenizer.eos_token_id in llm.runner.model_config.eos_token_ids
+    # The file's add_bos_token (false): a text is its own tokens, as llama.cpp reads it (the
+    # converter put <|im_start|> before every completion's prompt); and text decodes as
+    # drawn, " ?" included (the converter tidied it to "?"; llama.cpp never does).
+    text = "Is it Paris ? Yes ."
+    ids = llm.tokenizer(text).input_ids
+    assert ids == llm.tokenizer.encode(text, add_special_tokens=False)
+    assert llm.tokenizer.decode(ids) == text
     chat = llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True)
