@@ -408,7 +408,8 @@ def test_a_rank_that_dies_during_a_long_step_is_named_within_seconds(
 
 
 def test_constrained_output_at_tp2_equals_one_shard(llama_dir, tokenizer):
-    # Only rank 0 keeps matchers; the other ranks' steps must not care.
+    """Only rank 0 keeps matchers; the other ranks' steps must not care. A request whose
+    rules leave a row nothing to draw fails there alone: every rank drops its rows."""
     import llguidance
 
     from deployments.offline import LLM
@@ -423,14 +424,21 @@ def test_constrained_output_at_tp2_equals_one_shard(llama_dir, tokenizer):
     try:
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             llm.engine.add_request(f"g{i}", prompt, p)
+        llm.engine.add_request("cornered", prompts[0], SamplingParams(
+            max_new_tokens=8, allowed_token_ids=(100, 200),
+            bad_words=((100, 100), (100, 200), (200, 100), (200, 200))))
         got: dict[str, list[int]] = {f"g{i}": [] for i in range(len(prompts))}
+        errors = {}
         while llm.engine.has_unfinished_requests():
             for out in llm.engine.step():
-                assert out.error is None
-                got[out.request_id] += out.token_ids
+                if out.error is not None:
+                    errors[out.request_id] = out.error
+                got.setdefault(out.request_id, []).extend(out.token_ids)
     finally:
         llm.group.shutdown()
     assert [got[f"g{i}"] for i in range(len(prompts))] == expected
+    assert list(errors) == ["cornered"] and "output position 1" in errors["cornered"]
+    assert len(got["cornered"]) <= 1
 
 
 def kept_one_row_copy_where_it_paid(placement: dict) -> bool:
