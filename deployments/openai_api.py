@@ -463,21 +463,23 @@ class _View:
         its choice's usage so far."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        def sse(payload: dict, index: int) -> bytes:
+        def sse(payload: dict, index: int, end: int = 0) -> bytes:
             if include_usage and continuous:
                 g = runs[index]
-                done = 0 if self._prompt_only(index) else len(g.token_ids)
+                done = 0 if self._prompt_only(index) else end
                 payload["usage"] = {"prompt_tokens": len(g.prompt_token_ids),
                                     "completion_tokens": done,
                                     "total_tokens": len(g.prompt_token_ids) + done}
             return _sse(payload)
 
         async def pump(index: int, g: Generation) -> None:
+            # Each output goes with how many tokens `g` held once it was added: `g` runs
+            # ahead of the queue, so its length when an output is taken may count later ones.
             try:
                 async for output in stream(self.api.batcher, g):
-                    await queue.put((index, output, None))
+                    await queue.put((index, output, len(g.token_ids), None))
             except Exception as exc:
-                await queue.put((index, None, exc))
+                await queue.put((index, None, 0, exc))
 
         tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(runs)]
         calls = [tools.CallStream() for _ in runs]
@@ -503,7 +505,7 @@ class _View:
                     yield sse(first, i)
             remaining = len(runs)
             while remaining:
-                index, output, exc = await queue.get()
+                index, output, end, exc = await queue.get()
                 if exc is not None:
                     kind = "generation" if isinstance(exc, GenerationError) else "internal"
                     self.api.admission.failed(kind)
@@ -511,7 +513,6 @@ class _View:
                                           "code": kind}})
                     break
                 g = runs[index]
-                end = len(g.token_ids)
                 start = end - len(output.token_ids)
                 logprobs = self._logprobs(index, g, start, end)
                 finish = self._finish(index, g) if output.finished else None
@@ -521,7 +522,7 @@ class _View:
                     for delta, why, lp in calls[index].chunks(output, finish, logprobs):
                         yield sse(self._envelope([ids(index, {
                             "index": index, "delta": delta, "finish_reason": why,
-                            "stop_reason": None, "logprobs": lp})], chunk=True), index)
+                            "stop_reason": None, "logprobs": lp})], chunk=True), index, end)
                 else:
                     text = self._text(index, output.text, first=start == 0)
                     if text or finish or logprobs:
@@ -530,7 +531,7 @@ class _View:
                         if finish:
                             chunk["choices"][0]["stop_reason"] = self._stop_reason(index, g)
                         ids(index, chunk["choices"][0])
-                        yield sse(chunk, index)
+                        yield sse(chunk, index, end)
                 remaining -= output.finished
                 if output.finished:
                     self.api.admission.succeeded(g, self.route)

@@ -1,14 +1,18 @@
-"""The OpenAI adapter's prompt handling, without a server."""
+"""The OpenAI adapter's prompt handling and streamed chunks, without a server."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from deployments import grammar
 from deployments.admission import ApiError
 from deployments.config import Limits
+from deployments.generation import Generation
+from deployments.openai_api import _View
 from deployments.openai_schema import (
     UNSUPPORTED,
     ChatRequest,
@@ -21,6 +25,8 @@ from deployments.openai_schema import (
     truncated,
     vocabulary_rules,
 )
+from engine.outputs import RequestOutput
+from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 
 
@@ -460,3 +466,62 @@ def test_logit_bias_is_parsed_checked_and_sized_against_the_vocabulary(tokenizer
                 SamplingParams(stop_token_ids=(vocab,))):
         with pytest.raises(ApiError, match=rf"in \[0, {vocab}\)"):
             check_token_ids(tokenizer, far)
+
+
+class _BurstBatcher:
+    """A batcher double whose outputs for a run arrive all at once, before the stream has
+    sent any of them (what a busy event loop sees): each output one token, whose logprob
+    says its position."""
+
+    def __init__(self, tokenizer, lengths):
+        self.tokenizer, self.lengths = tokenizer, iter(lengths)
+        self.generate = self
+
+    def remote(self, request):
+        return self._outputs(request.request_id, next(self.lengths))
+
+    async def _outputs(self, rid, length):
+        for i in range(length):
+            token = 100 + i
+            yield RequestOutput(rid, [token], [self.tokenizer.decode([token])], [-float(i + 1)],
+                                [[]], self.tokenizer.decode([token]), finished=i == length - 1,
+                                finish_reason=FinishReason.LENGTH if i == length - 1 else None)
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_streamed_chunks_carry_their_own_tokens_when_outputs_come_in_bursts(tokenizer, chat):
+    """Each chunk's logprobs, text offsets and usage count are its own output's: an n>1
+    stream takes outputs from a queue that its runs fill ahead of it (before: a chunk took
+    the tokens at the end of its run as filled so far, so the first chunk named the second
+    token, with the second token's logprob, beside the first token's text)."""
+    lengths = [3, 2]
+    api = SimpleNamespace(tokenizer=tokenizer, batcher=_BurstBatcher(tokenizer, lengths),
+                          admission=SimpleNamespace(failed=lambda kind: None,
+                                                    succeeded=lambda g, route: None,
+                                                    release=lambda: None))
+    runs = [Generation(f"r{i}", [1, 2, 3], SamplingParams(max_new_tokens=n))
+            for i, n in enumerate(lengths)]
+    view = _View(api, "cmpl-x", "m", chat, True, False, [None] * len(runs), None)
+
+    async def events():
+        return [chunk async for chunk in view.events(runs, include_usage=True, continuous=True)]
+
+    chunks = [json.loads(line[6:]) for raw in asyncio.run(events())
+              for line in raw.decode().split("\n") if line.startswith("data: {")]
+    seen: dict[int, list] = {0: [], 1: []}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            if not choice["logprobs"]:
+                continue
+            text = choice["delta"]["content"] if chat else choice["text"]
+            if chat:
+                entries = [(e["token"], e["logprob"]) for e in choice["logprobs"]["content"]]
+            else:
+                lp = choice["logprobs"]
+                entries = list(zip(lp["tokens"], lp["token_logprobs"], strict=True))
+                assert lp["text_offset"] == [len("".join(t for t, _ in seen[choice["index"]]))]
+            assert "".join(t for t, _ in entries) == text
+            seen[choice["index"]] += entries
+            assert chunk["usage"]["completion_tokens"] == len(seen[choice["index"]])
+    for index, n in enumerate(lengths):
+        assert seen[index] == [(tokenizer.decode([100 + i]), -float(i + 1)) for i in range(n)]
