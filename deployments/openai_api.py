@@ -357,15 +357,15 @@ class _View:
             else texts
         if self.chat:
             return {"content": [
-                {"token": t, "logprob": lp, "bytes": list(t.encode()),
-                 "top_logprobs": [{"token": name(i), "logprob": v,
+                {"token": t, "logprob": _floor(lp), "bytes": list(t.encode()),
+                 "top_logprobs": [{"token": name(i), "logprob": _floor(v),
                                    "bytes": list(name(i).encode())} for i, v in top]}
                 for t, lp, top in zip(tokens, g.logprobs[start:end], g.top_logprobs[start:end],
                                       strict=True)]}
         echo = self.echoes[index]
         shift = len(echo.text) if echo else 0
-        out = {"tokens": tokens, "token_logprobs": g.logprobs[start:end],
-               "top_logprobs": [{name(i): v for i, v in top}
+        out = {"tokens": tokens, "token_logprobs": [_floor(lp) for lp in g.logprobs[start:end]],
+               "top_logprobs": [{name(i): _floor(v) for i, v in top}
                                 for top in g.top_logprobs[start:end]],
                "text_offset": _offsets(texts, shift + len("".join(g.token_texts[:start])))}
         if echo is None or start:
@@ -374,9 +374,10 @@ class _View:
         pieces = [name(t) for t in g.prompt_token_ids] if self.token_ids_as_names \
             else echo.pieces
         return {"tokens": pieces + out["tokens"],
-                "token_logprobs": list(g.prompt_logprobs) + out["token_logprobs"],
+                "token_logprobs": [_floor(lp) for lp in g.prompt_logprobs]
+                + out["token_logprobs"],
                 "top_logprobs": [None if top is None else
-                                 {name(i): v for i, v in top[:echo.top_n]}
+                                 {name(i): _floor(v) for i, v in top[:echo.top_n]}
                                  for top in tops] + out["top_logprobs"],
                 "text_offset": echo.offsets + out["text_offset"]}
 
@@ -444,7 +445,7 @@ class _View:
         decode = self.api.tokenizer.decode
 
         def entry(token: int, logprob: float, rank: int) -> dict:
-            return {"logprob": max(logprob, -9999.0), "rank": rank,
+            return {"logprob": _floor(logprob), "rank": rank,
                     "decoded_token": decode([token])}
 
         tops = g.prompt_top_logprobs or [[] for _ in g.prompt_token_ids]
@@ -554,5 +555,11 @@ class _View:
         return self._envelope([choice], chunk=True)
 
 
+def _floor(logprob: float | None) -> float | None:
+    """vLLM's floor for a logprob in JSON: a token a grammar or a rule masks has -inf, which
+    JSON cannot carry (the response failed with a 500 once generated)."""
+    return logprob if logprob is None else max(logprob, -9999.0)
+
+
 def _sse(payload: dict) -> bytes:
-    return f"data: {json.dumps(payload)}\n\n".encode()
+    return f"data: {json.dumps(payload, allow_nan=False)}\n\n".encode()

@@ -227,4 +227,4 @@ class _View:
     def event(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
-        return f"event: {kind}\ndata: {json.dumps(payload)}\n\n".encode()
+        return f"event: {kind}\ndata: {json.dumps(payload, allow_nan=False)}\n\n".encode()

@@ -3,6 +3,7 @@ JSON shapes its clients parse (`text-generation`, huggingface_hub)."""
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -194,8 +195,14 @@ def _grammar(value: Any) -> str:
                           "\"json_schema\" or \"regex\"")
 
 
+def finite(logprob: float | None) -> float | None:
+    """A logprob as TGI's JSON writes it: a token a grammar or a rule masks has -inf, which
+    JSON cannot carry, and TGI's serializer writes null."""
+    return logprob if logprob is not None and math.isfinite(logprob) else None
+
+
 def token_json(token_id: int, text: str, logprob: float | None, special: bool) -> dict:
-    return {"id": token_id, "text": text, "logprob": logprob, "special": special}
+    return {"id": token_id, "text": text, "logprob": finite(logprob), "special": special}
 
 
 def error_json(message: str, error_type: str) -> dict:

@@ -42,7 +42,7 @@ def finish_reason(g: Generation) -> str:
 
 
 def sse(payload: Any) -> bytes:
-    return f"data:{json.dumps(payload)}\n\n".encode()
+    return f"data:{json.dumps(payload, allow_nan=False)}\n\n".encode()
 
 
 class TGIApi:
@@ -198,7 +198,7 @@ class TGIApi:
         }
         if prefill and g.prompt_logprobs is not None:
             details["prefill"] = [
-                {"id": t, "text": self.tokenizer.decode([t]), "logprob": lp}
+                {"id": t, "text": self.tokenizer.decode([t]), "logprob": tgi.finite(lp)}
                 for t, lp in zip(g.prompt_token_ids, g.prompt_logprobs, strict=True)]
         return details
 

@@ -338,10 +338,17 @@ def test_openai_refuses_output_changing_fields_it_does_not_implement(app):
     assert r.status_code == 400 and "continue_final_message" in r.json()["error"]["message"]
 
 
+def strict_json(text: str):
+    """JSON as a strict parser (JavaScript's, serde's) reads it: no NaN or Infinity."""
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
 def sse_events(path: str, body: dict) -> list[dict]:
     with httpx.stream("POST", BASE + path, json=body, timeout=60) as r:
         assert r.status_code == 200
-        return [json.loads(line[5:]) for line in r.iter_lines()
+        return [strict_json(line[5:]) for line in r.iter_lines()
                 if line.startswith("data:") and line != "data: [DONE]"]
 
 
@@ -426,6 +433,41 @@ def test_a_stop_string_at_the_last_token_allowed_ends_each_route_in_its_order(ap
     choice = post("/v1/completions", body).json()["choices"][0]
     assert (choice["finish_reason"], choice["stop_reason"]) == ("stop", stop)
     assert choice["text"] == text[:-len(stop)]
+
+
+def test_logprobs_of_tokens_a_grammar_masks_are_json_on_every_route(app):
+    """A grammar leaves a step few tokens, so its top alternatives include masked ones at
+    -inf, which JSON cannot carry: the whole responses failed with a 500 once generated and
+    the streams wrote `-Infinity`. TGI's serializer writes null; vLLM floors at -9999.0."""
+    regex = {"type": "regex", "value": "(yes|no)"}
+    tgi = post("/generate", {"inputs": "Tona sefi", "parameters": {
+        "max_new_tokens": 4, "details": True, "top_n_tokens": 3, "grammar": regex}})
+    assert tgi.status_code == 200, tgi.text
+    body = strict_json(tgi.text)
+    assert body["generated_text"] in ("yes", "no")
+    tops = [t["logprob"] for step in body["details"]["top_tokens"] for t in step]
+    assert None in tops and all(lp is None or lp <= 0 for lp in tops)
+    events = sse_events("/generate_stream", {"inputs": "Tona sefi", "parameters": {
+        "max_new_tokens": 4, "top_n_tokens": 3, "grammar": regex}})
+    assert None in [t["logprob"] for e in events for t in e["top_tokens"]]
+    for path, extra in (("/v1/completions", {"prompt": "Tona sefi", "logprobs": 3}),
+                        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 3, "messages": [
+                            {"role": "user", "content": "Tona sefi"}]})):
+        body = {"model": "m", "max_tokens": 4, "structured_outputs": {"regex": "(yes|no)"},
+                **extra}
+        r = post(path, body)
+        assert r.status_code == 200, r.text
+        chunks = [strict_json(r.text)] + sse_events(path, {**body, "stream": True})
+        for chunk in chunks:
+            for choice in chunk["choices"]:
+                lp = choice["logprobs"] or {}
+                tops = [v for top in lp.get("top_logprobs") or [] for v in top.values()] + [
+                    t["logprob"] for e in lp.get("content") or [] for t in e["top_logprobs"]]
+                assert all(v >= -9999.0 for v in tops)
+        whole = chunks[0]["choices"][0]["logprobs"]
+        floored = whole["top_logprobs"] if "top_logprobs" in whole else [
+            {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in whole["content"]]
+        assert -9999.0 in [v for top in floored for v in top.values()]
 
 
 def test_openai_honours_vllm_stop_token_ids_and_include_stop_str(app):
