@@ -418,9 +418,10 @@ class _View:
             if self.tool_calls:
                 content, calls = tools.message(g.text)
                 choice["message"] = {"role": "assistant", "content": content}
-                if calls:
+                if calls:  # "length" where max_tokens cut the call short, as streamed
                     choice["message"]["tool_calls"] = calls
-                    choice["finish_reason"] = "tool_calls"
+                    if tools.parse(g.text) is not None:
+                        choice["finish_reason"] = "tool_calls"
             elif self.chat:
                 choice["message"] = {"role": "assistant", "content": g.text}
             else:

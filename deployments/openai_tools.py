@@ -87,11 +87,18 @@ def parse(text: str) -> Call | None:
 
 
 def message(text: str) -> tuple[str | None, list[dict]]:
-    """(content, tool_calls) of a finished choice."""
+    """(content, tool_calls) of a finished choice. A call cut short (max_tokens) whose name
+    is complete is still a call, with the arguments written so far, as its stream sent it
+    (and as OpenAI answers); a cut `no_tool` answer, or one cut inside the name, is the
+    raw text."""
     call = parse(text)
     if call is None:
-        return text, []
-    if call.name == NO_TOOL:
+        match = _CALL.match(text)
+        name = json.loads(match.group(1)) if match else NO_TOOL
+        if name == NO_TOOL:
+            return text, []
+        call = Call(name, text[match.end():])
+    elif call.name == NO_TOOL:
         return json.loads(call.arguments)["content"], []
     return None, [{"id": new_call_id(), "type": "function",
                    "function": {"name": call.name, "arguments": call.arguments}}]

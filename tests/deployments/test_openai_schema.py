@@ -525,3 +525,32 @@ def test_streamed_chunks_carry_their_own_tokens_when_outputs_come_in_bursts(toke
             assert chunk["usage"]["completion_tokens"] == len(seen[choice["index"]])
     for index, n in enumerate(lengths):
         assert seen[index] == [(tokenizer.decode([100 + i]), -float(i + 1)) for i in range(n)]
+
+
+@pytest.mark.parametrize("text", [
+    '{"name":"get_weather","arguments":{"city":"Paris \\"15e\\"","days":3}}',
+    '{"name":"no_tool","arguments":{"content":"It is sunny."}}',
+])
+def test_a_tool_call_cut_anywhere_reads_the_same_streamed_and_whole(text):
+    """max_tokens may end a tool call at any character: the stream's deltas, joined, say what
+    the whole answer says (content, the call's name and arguments, finish reason)."""
+    from deployments.openai_tools import CallStream, message, parse
+
+    for cut in range(1, len(text) + 1):
+        out, stream = text[:cut], CallStream()
+        pieces = [out[i : i + 3] for i in range(0, len(out), 3)]
+        deltas = [d for i, piece in enumerate(pieces)
+                  for d in stream.feed(piece, finished=i == len(pieces) - 1)]
+        calls = [c for d in deltas for c in d.get("tool_calls", [])]
+        streamed_content = "".join(d["content"] for d in deltas if "content" in d) or None
+        content, whole_calls = message(out)
+        assert streamed_content == content, cut
+        assert len(calls[:1]) == len(whole_calls), cut
+        if whole_calls:
+            function = whole_calls[0]["function"]
+            assert calls[0]["function"]["name"] == function["name"] == "get_weather"
+            assert "".join(c["function"]["arguments"] for c in calls) == function["arguments"]
+            assert content is None
+        complete = parse(out) is not None
+        assert (stream.called and complete) == (bool(whole_calls) and complete)
+    assert message(text) != (text, [])  # the whole text is a call or no_tool's content
