@@ -116,7 +116,10 @@ def _convert(gguf_path: Path, out: Path) -> None:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
         # Given the config, the tokenizer does not read it from the file again: each read
         # parses every field of the file, its vocabulary included (5-6 s for SmolLM2's).
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, config=config)
+        # `legacy` as transformers defaults it for a Llama tokenizer, said so that it does not
+        # log a warning about the default (which asks GGUF users to ignore it).
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, config=config,
+                                                  legacy=True)
     except Exception as exc:  # transformers names what it cannot read
         raise CheckpointError(f"model={gguf_path}: transformers cannot read its config or "
                               f"tokenizer: {str(exc).splitlines()[0][:300]}") from exc
