@@ -328,7 +328,9 @@ def test_a_weight_copy_that_the_blocks_leave_no_step_is_freed(llama_dir, monkeyp
     serve one-row steps, they come first and the copy would sit unused: it is freed, and
     /info no longer names a copy once none is left. Here the timings are set: the copy
     beats oneDNN at one row; the blocks win every row count, or all but the attention's
-    output projection's (the one square weight), which then keeps its copy."""
+    output projection's (the one square weight), which then keeps its copy. The copy is
+    K x N on every CPU here (kernels built for AVX-512 would cut it into panels, which
+    serve steps of up to 256 rows: the blocks never leave those none)."""
     from deployments.offline import LLM
     from shards.cpu import timings as startup_timings
     from shards.model.layers import _Matmul
@@ -339,6 +341,8 @@ def test_a_weight_copy_that_the_blocks_leave_no_step_is_freed(llama_dir, monkeyp
         return 1.0, (1.5 if square_blocks_lose and n == k else 0.5)  # (float path, blocks)
 
     monkeypatch.setattr(startup_timings, "directory", lambda: tmp_path)  # none kept before
+    monkeypatch.setattr(kernels, "panels_supported", lambda: False)
+    monkeypatch.setattr(kernels, "quant_lanes_supported", lambda: False)
     monkeypatch.setattr(weight_plan, "time_copy_products",
                         lambda model, rows, rounds=3: (2.0, 1.0))  # (oneDNN, the copy)
     monkeypatch.setattr(weight_plan, "time_quant_products", quant_timed)
