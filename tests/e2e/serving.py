@@ -65,12 +65,35 @@ def replica_environ(deployment: str, under: int) -> dict[str, str]:
     return dict(e.decode().partition("=")[::2] for e in entries if b"=" in e)
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill `proc` and every process under it. Not its process group alone: HAProxy runs in
+    the group of the Serve actor that started it and outlived a group kill, still on port
+    8000. Each is stopped before any is killed, so none starts a child that escapes."""
+    if proc.poll() is not None:  # exited (and reaped): its pid may be another's now
+        return
+    stopped: set[int] = set()
+    while found := {int(p) for p in os.listdir("/proc") if p.isdigit()
+                    and descends_from(int(p), proc.pid)} - stopped - {proc.pid}:
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        stopped |= found
+    proc.kill()
+    for pid in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(10)
+
+
 @contextlib.contextmanager
 def serve_run(args: list[str], log: Path, env: dict[str, str] | None = None,
               start_timeout: float = 240, target: str = "deployments.app:build_app",
-              health_paths: tuple[str, ...] = ("/health",)) -> Iterator[subprocess.Popen]:
+              health_paths: tuple[str, ...] = ("/health",),
+              ctrl_c: bool = False) -> Iterator[subprocess.Popen]:
     """`serve run TARGET ARGS` (the app, or a config file) until every health path answers
-    200; stopped with Ctrl-C after."""
+    200. Stopped after with Ctrl-C as a user stops it (`ctrl_c`: about 10 s, Serve's and
+    Ray's shutdowns; test_serve_run.py's server), else killed with every process it
+    started (`kill_tree`)."""
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
            "RAY_ENABLE_AUTO_CONNECT": "0", **(env or {})}
     serve_bin = Path(sys.executable).with_name("serve")
@@ -96,12 +119,13 @@ def serve_run(args: list[str], log: Path, env: dict[str, str] | None = None,
             time.sleep(1)
         yield proc
     finally:
-        proc.send_signal(signal.SIGINT)  # as a user stops it
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        if ctrl_c:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        kill_tree(proc)
         deadline = time.monotonic() + 30  # HAProxy included: the port is free again
         while not port_closed() and time.monotonic() < deadline:
             time.sleep(0.5)

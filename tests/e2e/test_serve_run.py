@@ -46,7 +46,7 @@ def server(llama_dir, adapters, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     loras = ",".join(f"{name}={path}" for name, path in adapters.items())
     with serve_run([f"model={llama_dir}", "num_blocks=1024", "served_model_name=m",
-                    f"lora_adapters={loras}"], log) as proc:
+                    f"lora_adapters={loras}"], log, ctrl_c=True) as proc:
         yield proc
 
 
