@@ -180,6 +180,22 @@ def widen_bf16_weights(model: nn.Module) -> int:
     return packed
 
 
+def pack_bf16_lanes(model: nn.Module) -> int:
+    """Lay out the bfloat16 weights that the block kernel multiplies (`pack_for_onednn`'s
+    `block_kernels`) with 8 output rows to a vector, where the kernels have that layout and
+    the rows come in whole groups of 8; after `time_bf16_products` and
+    `widen_bf16_weights`, which read them as N x K. Returns the count laid out."""
+    count = 0
+    for m in quantized(model):
+        if (m.quant_type == BF16_KERNEL_TYPE and not m.quant_lanes
+                and m.weight_shape[0] % 8 == 0 and m.quant_kernels.quant_lanes_supported()):
+            m.quant = m.quant_kernels.pack_quant_lanes(m.quant, BF16_KERNEL_TYPE,
+                                                       m.weight_shape[1])
+            m.quant_lanes = True
+            count += 1
+    return count
+
+
 def time_bf16_products(model: nn.Module, rows: int, rounds: int = 2) -> tuple[float, float]:
     """Seconds for `rows` rows through every bfloat16 linear: (oneDNN in bfloat16, oneDNN in
     float32 on the widened weights), each the best of `rounds`; the widened weights are
@@ -340,10 +356,6 @@ def pack_for_onednn(model: nn.Module, batch_hint: int = ONEDNN_BATCH_HINT,
                 and weight.shape[1] % 32 == 0):
             module.quant = source.contiguous().view(torch.uint8)
             module.quant_type, module.quant_kernels = BF16_KERNEL_TYPE, block_kernels
-            if weight.shape[0] % 8 == 0 and block_kernels.quant_lanes_supported():
-                module.quant = block_kernels.pack_quant_lanes(module.quant, BF16_KERNEL_TYPE,
-                                                              weight.shape[1])
-                module.quant_lanes = True
         one_row_copy = one_row_copy and weight_dtype is None
         if one_row_copy and panel_kernels is not None and weight.dtype == torch.float32:
             module.panels = panel_kernels.pack_panels(weight.detach())

@@ -21,6 +21,7 @@ from shards.cpu.layouts import (
     drop_unused_float_lanes,
     linear_weight_bytes,
     onednn_usable,
+    pack_bf16_lanes,
     pack_float_lanes,
     pack_for_onednn,
     pack_quantized,
@@ -206,6 +207,7 @@ class WeightPlan:
         self.quant_types = {"BF16": n} if (n := len(quantized(self.model))) else {}
         if self.quant_types and not self.bf16_products:
             self.weight_copy = "float32, widened from bfloat16"
+            pack_bf16_lanes(self.model)
             self._time_quantized()
         elif self.quant_types:
             # Bigger steps: oneDNN in bfloat16, or in float32 on the widened weights
@@ -219,6 +221,7 @@ class WeightPlan:
             logger.info("%d rows: oneDNN bfloat16 %.2f ms, float32 %.2f ms: %s",
                         BF16_TIMED_ROWS, *(t * 1e3 for t in self.bf16_timings),
                         self.weight_copy or "bfloat16 kept")
+            pack_bf16_lanes(self.model)
             self._time_quantized()
 
     def _pack_float(self, choice: str) -> None:

@@ -233,8 +233,8 @@ def kernel():
 
 @pytest.fixture
 def no_lanes(kernel, monkeypatch):
-    """The copy made K x N or cut into panels, as on a CPU whose kernels have no float32
-    rows in lanes (AVX-512, or no AVX2 with FMA and F16C)."""
+    """The copy made K x N or cut into panels, as on a CPU whose kernels have no rows in
+    lanes (no AVX2 with FMA and F16C, or no compiler)."""
     if kernel is not None:
         monkeypatch.setattr(kernel, "quant_lanes_supported", lambda: False)
 
@@ -247,9 +247,12 @@ def no_panels(kernel, monkeypatch, no_lanes):
 
 
 @pytest.fixture
-def lanes_kernel(kernel):
+def lanes_kernel(kernel, monkeypatch):
+    """The float32 copy laid out in lanes, as on an AVX2 CPU: kernels built for AVX-512 cut
+    it into panels instead (faster there), which are turned off here."""
     if kernel is None or not kernel.quant_lanes_supported():
-        pytest.skip("float32 rows in lanes need raygen's CPU kernels built for AVX2")
+        pytest.skip("rows in lanes need raygen's CPU kernels built for AVX2 with FMA and F16C")
+    monkeypatch.setattr(kernel, "panels_supported", lambda: False)
     return kernel
 
 

@@ -36,7 +36,7 @@
 
 namespace {
 
-#if defined(RAYGEN_QUANT_FLOAT) && !defined(__AVX512F__)
+#if defined(RAYGEN_QUANT_FLOAT)
 #define RAYGEN_QUANT_LANES 1
 #endif
 
