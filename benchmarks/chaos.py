@@ -15,10 +15,12 @@ succeeds); and the KV blocks in use once the load has stopped (must come back to
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -64,6 +66,27 @@ def descends_from(pid: int, root: int) -> bool:
             return True
         pid, seen = parent_pid(pid), seen + 1
     return False
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """Kill `proc` (a `serve run`, say) and every process under it at once. Not its process
+    group alone: Serve's HAProxy runs in the group of the actor that started it and
+    outlived a group kill, still on port 8000. Each is stopped before any is killed, so
+    none starts a child that escapes."""
+    if proc.poll() is not None:  # exited (and reaped): its pid may be another's now
+        return
+    stopped: set[int] = set()
+    while found := {int(p) for p in os.listdir("/proc") if p.isdigit()
+                    and descends_from(int(p), proc.pid)} - stopped - {proc.pid}:
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        stopped |= found
+    proc.kill()
+    for pid in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    proc.wait(10)
 
 
 def server_processes(targets: list[str], under: int | None = None) -> list[tuple[str, int]]:

@@ -44,6 +44,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks import serve as load
+from benchmarks.chaos import kill_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 PORT = 8000
@@ -76,9 +77,10 @@ class Server:
     command: list[str]
     env: dict[str, str]
     note: str = ""
-    # `serve run` stops cleanly on Ctrl-C (SIGTERM can orphan its HAProxy); transformers
-    # serve hangs on SIGINT and stops on SIGTERM.
-    stop_signal: int = signal.SIGINT
+    # `serve run` is killed with every process under it (`chaos.kill_tree`): its Ctrl-C
+    # takes about 10 s (Serve's and Ray's shutdowns) that measure nothing, and SIGTERM can
+    # orphan its HAProxy. transformers serve hangs on SIGINT and stops on SIGTERM.
+    stop_signal: int = signal.SIGKILL
 
 
 def _serve_config(import_path: str, args: dict, host: str = "127.0.0.1") -> str:
@@ -247,7 +249,10 @@ def _session_pids(sid: int) -> list[int]:
 
 
 def stop(proc: subprocess.Popen, first: int = signal.SIGINT) -> None:
-    """Stop the server's whole session, as a user would first, then harder."""
+    """Stop the server's whole session: with `first`, then harder (SIGKILL: its process tree
+    at once)."""
+    if first == signal.SIGKILL:
+        kill_tree(proc)
     for sig, wait_s in ((first, 90), (signal.SIGTERM, 30), (signal.SIGKILL, 10)):
         try:
             os.killpg(proc.pid, sig)

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.chaos import descends_from, is_replica_of
+from benchmarks.chaos import descends_from, is_replica_of, kill_tree
 from benchmarks.serve import default_sigint
 
 BASE = "http://127.0.0.1:8000"
@@ -63,26 +63,6 @@ def replica_environ(deployment: str, under: int) -> dict[str, str]:
     """The environment of that replica process, from /proc."""
     entries = Path(f"/proc/{replica_pid(deployment, under)}/environ").read_bytes().split(b"\0")
     return dict(e.decode().partition("=")[::2] for e in entries if b"=" in e)
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """Kill `proc` and every process under it. Not its process group alone: HAProxy runs in
-    the group of the Serve actor that started it and outlived a group kill, still on port
-    8000. Each is stopped before any is killed, so none starts a child that escapes."""
-    if proc.poll() is not None:  # exited (and reaped): its pid may be another's now
-        return
-    stopped: set[int] = set()
-    while found := {int(p) for p in os.listdir("/proc") if p.isdigit()
-                    and descends_from(int(p), proc.pid)} - stopped - {proc.pid}:
-        for pid in found:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGSTOP)
-        stopped |= found
-    proc.kill()
-    for pid in stopped:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    proc.wait(10)
 
 
 @contextlib.contextmanager

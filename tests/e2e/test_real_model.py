@@ -201,7 +201,7 @@ def test_info_says_the_file_s_blocks_are_multiplied_as_they_are(client):
     blocks = path["quant_blocks"]
     assert blocks["types"] == {"Q4_1": 120, "Q8_0": 1} and blocks["x"] == "float32"
     assert blocks["steps_up_to_rows"] >= 0  # timed at start-up: 0 where they lose
-    # The same blocks laid out with 8 output rows to a vector (AVX2 builds): every linear
+    # The same blocks laid out with 8 output rows to a vector (AVX2 or AVX-512): every linear
     # (all have whole groups of 8 rows).
     from shards.cpu import kernels
 

@@ -38,7 +38,7 @@ def test_products_equal_the_dequantized_weights(kind, rows):
 
 
 lanes = pytest.mark.skipif(kernels is None or not kernels.quant_lanes_supported(),
-                           reason="rows in lanes: AVX2 builds (AVX-512 keeps its block tiles)")
+                           reason="rows in lanes: kernels built for AVX2 with FMA and F16C")
 
 
 @lanes

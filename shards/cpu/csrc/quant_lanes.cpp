@@ -20,9 +20,14 @@
 // product up to rounding. SmolLM2's Q4_1 layer products take 0.64x the block kernel's time
 // at 1 row and 0.70-0.78x at 2-8 (benchmarks/NOTES.md 81).
 //
+// Built for AVX-512 too, where it is AVX2 code beside the 16-wide block tiles: on a Zen 4
+// EPYC (AVX-512 in two halves) the same products took 0.56x the tiles' time in Q4_1 and
+// 0.61x in bfloat16 at 1-2 rows, 0.55x and 0.94x at 8 (benchmarks/NOTES.md 95).
+//
 // Float weights take the same layout with no scales: bfloat16 (the upper half of a float32,
 // shifted into place) and float32 (a copy that AVX2 CPUs keep for their small float32 steps;
-// oneDNN reads a weight past one row at about half the rate these do, benchmarks/NOTES.md 83).
+// oneDNN reads a weight past one row at about half the rate these do, benchmarks/NOTES.md 83;
+// AVX-512 builds cut that copy into panels instead, 0.96x the lanes' time at one row).
 //
 // Threads take contiguous ranges of 16 output rows and claim within them in order, so that
 // each thread streams its weights front to back (claims handed out in turn cut each
@@ -36,7 +41,7 @@
 
 namespace {
 
-#if defined(RAYGEN_QUANT_FLOAT)
+#if defined(RAYGEN_QUANT_FLOAT)  // AVX2 with FMA and F16C, which AVX-512 CPUs have
 #define RAYGEN_QUANT_LANES 1
 #endif
 

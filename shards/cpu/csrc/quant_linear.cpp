@@ -19,7 +19,9 @@
 // registers (w = d * q + m, one FMA) where a chunk serves several rows of x, and scaled
 // once per block as above for one row (a decode step's), where the FMAs bound it. Elsewhere
 // `quant_supported` is false and the shards keep the float32 weights (shards/model/layers.py).
-// The same with x rounded to int8 blocks: quant_linear_i8.cpp.
+// The same with x rounded to int8 blocks: quant_linear_i8.cpp. With float x, the blocks of
+// weights whose rows come in groups of 8 are laid out again and multiplied by
+// quant_lanes.cpp; these tiles serve the rest.
 #include "ops.h"
 
 #include "quant.h"
