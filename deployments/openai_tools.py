@@ -88,9 +88,8 @@ def parse(text: str) -> Call | None:
 
 def message(text: str) -> tuple[str | None, list[dict]]:
     """(content, tool_calls) of a finished choice. A call cut short (max_tokens) whose name
-    is complete is still a call, with the arguments written so far, as its stream sent it
-    (and as OpenAI answers); a cut `no_tool` answer, or one cut inside the name, is the
-    raw text."""
+    is complete is still a call, with the arguments written so far, as its stream sent it;
+    a cut `no_tool` answer, or one cut inside the name, is the raw text."""
     call = parse(text)
     if call is None:
         match = _CALL.match(text)
