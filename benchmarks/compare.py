@@ -292,6 +292,7 @@ def _run_limit(workload: Workload, args: argparse.Namespace, result: Path, batch
     subprocess.run([sys.executable, "-m", "benchmarks.limit", "--model", args.model,
                     "--input-len", str(workload.input_len), "--output-len",
                     str(workload.mean_output), "--batch-sizes", ",".join(map(str, batches)),
+                    "--dtype", args.dtype,
                     "--result-file", str(result)], cwd=ROOT, check=True,
                    env={**os.environ, "HF_HUB_OFFLINE": "1"},
                    preexec_fn=None if cores is None else lambda: os.sched_setaffinity(0, cores))

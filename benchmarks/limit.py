@@ -34,7 +34,8 @@ def _timed(fn, repeats: int) -> float:
 
 
 def measure(model: str, input_len: int, batch_sizes: list[int], repeats: int = 5,
-            decode_context: int | None = None, cpu_matmul: str = "auto") -> dict:
+            decode_context: int | None = None, cpu_matmul: str = "auto",
+            dtype: str = "auto") -> dict:
     """Prefill of `input_len` tokens; decode steps with `decode_context` tokens already in
     each sequence (default input_len; a workload's mean is input_len + output_len / 2)."""
     block_size = 16
@@ -43,7 +44,7 @@ def measure(model: str, input_len: int, batch_sizes: list[int], repeats: int = 5
     blocks_per_seq = -(-(longest + 2 * repeats + 8) // block_size)
     num_blocks = blocks_per_seq * max(batch_sizes) + 1
     runner = ModelRunner(ShardConfig(model=model, num_blocks=num_blocks, block_size=block_size,
-                                     cpu_matmul=cpu_matmul))
+                                     cpu_matmul=cpu_matmul, dtype=dtype))
     runner.warmup(0)  # allocates the KV cache
     params = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)
 
@@ -91,16 +92,17 @@ def main(argv: list[str] | None = None) -> dict:
                              "(default: input-len + output-len / 2, the workload's mean)")
     parser.add_argument("--cpu-matmul", default="auto", choices=["auto", "onednn", "torch"],
                         help="who multiplies by the weights on CPU (shards/model/layers.py)")
+    parser.add_argument("--dtype", default="auto", help="as the server's `dtype=`")
     parser.add_argument("--result-file", default=None)
     args = parser.parse_args(argv)
-    if not (Path(args.model) / "config.json").exists():
+    if not args.model.endswith(".gguf") and not (Path(args.model) / "config.json").exists():
         from shards.demo_model import write_demo_model
 
         write_demo_model(args.model, "small")
     batches = [int(b) for b in args.batch_sizes.split(",")]
     decode_context = args.decode_context or int(args.input_len + args.output_len / 2)
     timings = measure(args.model, args.input_len, batches, args.repeats, decode_context,
-                      args.cpu_matmul)
+                      args.cpu_matmul, args.dtype)
     print(f"prefill of {args.input_len} tokens: {timings['prefill_s'] * 1000:.1f} ms; "
           f"decode steps at {decode_context} tokens of context")
     out = {"timings": timings, "limit_output_tok_s": {}}
