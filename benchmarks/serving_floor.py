@@ -14,7 +14,7 @@ millisecond of CPU the node spends per token here is what Ray, Serve, HAProxy, t
 stack and the load generator cost on their own: the least a server of this shape can add to
 a forward that keeps every core busy (benchmarks/NOTES.md 52).
 
-`load` runs `benchmarks.serve` at concurrency 1 between two snapshots of every process's CPU
+`load` runs `benchmarks.serve` (at concurrency 1 unless `--concurrency`) between two snapshots of every process's CPU
 time (/proc) and prints CPU per output token by process; `idle` prints each process's CPU
 in ms a second over a quiet window. Both work against any server on the node, raygen's
 included.
@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("what", choices=["load", "idle"])
     p.add_argument("--seconds", type=float, default=30.0, help="idle: the window")
     p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=1,
+                   help="load: requests in flight (1 shows the floor per token)")
     p.add_argument("--input-len", type=int, default=112)
     p.add_argument("--output-len", type=int, default=72)
     p.add_argument("--url", default="http://127.0.0.1:8000")
@@ -152,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
         return {"cpu_ms_per_s": total, "processes": rows}
     from benchmarks import serve as load
 
-    common = ["--url", args.url, "--concurrency", "1", "--input-len", str(args.input_len),
+    common = ["--url", args.url, "--concurrency", str(args.concurrency),
+              "--input-len", str(args.input_len),
               "--output-len", str(args.output_len)]
     asyncio.run(load.run(load.parse_args([*common, "--num-prompts", "4"])))  # warm-up
     before = cpu_snapshot()
