@@ -14,10 +14,10 @@ millisecond of CPU the node spends per token here is what Ray, Serve, HAProxy, t
 stack and the load generator cost on their own: the least a server of this shape can add to
 a forward that keeps every core busy (benchmarks/NOTES.md 52).
 
-`load` runs `benchmarks.serve` (at concurrency 1 unless `--concurrency`) between two snapshots of every process's CPU
-time (/proc) and prints CPU per output token by process; `idle` prints each process's CPU
-in ms a second over a quiet window. Both work against any server on the node, raygen's
-included.
+`load` runs `benchmarks.serve` (at concurrency 1 unless `--concurrency`) between two
+snapshots of every process's CPU time (/proc) and prints CPU per output token by process;
+`idle` prints each process's CPU in ms a second over a quiet window. Both work against any
+server on the node, raygen's included.
 """
 
 from __future__ import annotations
