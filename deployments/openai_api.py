@@ -173,7 +173,7 @@ class OpenAIApi:
         """vLLM's POST /detokenize: the text of token ids."""
         try:
             req = await self.admission.read(request, schema.Detokenize)
-            vocab = len(self.tokenizer)
+            vocab = schema.vocab_size(self.tokenizer)
             if any(not 0 <= t < vocab for t in req.tokens):
                 raise schema.bad(f"tokens must be token ids in [0, {vocab})")
         except Exception as exc:

@@ -3,6 +3,7 @@ the engine's sampling parameters. Refusals are 400s in OpenAI's words."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Literal
 
@@ -15,6 +16,14 @@ from deployments.config import Limits
 from engine.sampling_params import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+
+
+@functools.lru_cache(maxsize=8)
+def vocab_size(tok) -> int:
+    """`len(tok)`, the vocabulary with its added tokens, asked once per tokenizer: a fast
+    tokenizer copies its whole vocabulary to count it, 1 ms alone and 10-15 ms of an
+    ingress's CPU under load (py-spy, benchmarks/NOTES.md 97)."""
+    return len(tok)
 
 
 class StreamOptions(BaseModel):
@@ -310,9 +319,8 @@ def prompts(tok: Any, req: CompletionRequest | ChatRequest, chat: bool) -> list[
     if not prompts or any(not p for p in prompts):
         raise bad("prompt must not be empty")
     if not isinstance(prompt, str) and isinstance(prompt[0], (int, list)):
-        # Only ids the client sent can fall outside the vocabulary; text tokenizes into
-        # it. `len(tok)` rebuilds the vocabulary, about 1 ms, so text requests skip it.
-        vocab = len(tok)
+        # Only ids the client sent can fall outside the vocabulary; text tokenizes into it.
+        vocab = vocab_size(tok)
         if any(not 0 <= t < vocab for p in prompts for t in p):
             raise bad(f"prompt token ids must be in [0, {vocab})")
     return prompts
@@ -441,7 +449,7 @@ def check_token_ids(tok: Any, params: SamplingParams,
     named = [t for t, _ in params.logit_bias] + list(params.stop_token_ids) + \
         list(params.allowed_token_ids)
     if named:
-        vocab = len(tok)  # ~1 ms: only for requests that name ids
+        vocab = vocab_size(tok)
         if any(t >= vocab for t in named):
             raise bad("logit_bias, stop_token_ids and allowed_token_ids must name token ids "
                       f"in [0, {vocab})")
