@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 QUIET_CORES = 0.5
 # Timings taken beside more than that: the fastest of this many starts' is final.
 BUSY_STARTS = 3
-_said_busy: dict[str, float] = {}
+_busy_said = []  # the log says it once a process
 
 
 @cache
@@ -110,12 +110,11 @@ def timed(what: tuple, measure: Callable[[], tuple[float, ...]]) -> tuple[tuple[
         seconds = tuple(map(min, seconds, saved["seconds"]))
         starts += saved["starts"]
     final = busy <= QUIET_CORES or starts >= BUSY_STARTS
-    if not final:
-        _said_busy.setdefault(what[0], busy)
-        if len(_said_busy) == 1 and _said_busy[what[0]] == busy:  # once a process
-            logger.info("start-up timings taken while other processes kept %.1f cores busy: "
-                        "timed again at the next start (start %d of up to %d)", busy, starts,
-                        BUSY_STARTS)
+    if not final and not _busy_said:
+        _busy_said.append(busy)
+        logger.info("start-up timings taken while other processes kept %.1f cores busy: "
+                    "timed again at the next start (start %d of up to %d)", busy, starts,
+                    BUSY_STARTS)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
