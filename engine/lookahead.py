@@ -29,11 +29,13 @@ from engine.request import Request
 # tok/s of single steps, at 1 1.08-1.45x (benchmarks/NOTES.md 65).
 MULTI_STEP_MAX_ROWS = 8
 # Drafts inside a multi-step fill its steps up to this many rows, the requests' own
-# included: a CPU step's cost grows with its rows (SmolLM2's Q4_1 blocks, in-process on an
-# AMD EPYC: 20, 26 and 31 ms for 1, 2 and 5 rows; 29, 45 and 81 ms for 4, 8 and 12), so
-# drafts pay at 1-4 requests and not at 8, where a draft each read 0.81-0.87x through
-# `serve run` (benchmarks/NOTES.md 69).
-MULTI_STEP_DRAFT_MAX_ROWS = 8
+# included (a multi-step of 8 requests drafts a token each at most). A CPU step's cost grows
+# with its rows, so how far drafts pay depends on the products: through `serve run`, with
+# SmolLM2's Q4_1 file, 8 requests on grounded prompts read 1.25-1.27x the tok/s of no
+# drafts on a Zen 4 EPYC with this cap, 1.05x with a cap of 8 rows; on a Zen 3 one, where a
+# 16-row step cost 1.8x an 8-row one, this cap read 0.97-0.98x the cap of 8
+# (benchmarks/NOTES.md 79, 98).
+MULTI_STEP_DRAFT_MAX_ROWS = 16
 
 
 def speculates(request: Request) -> bool:

@@ -199,9 +199,10 @@ def test_batches_that_multi_step_draft_inside_their_multi_steps():
     """With multi-steps on, a batch of a few requests drafts inside its multi-steps, where
     the shard knows every token (StepDrafting), filling their steps up to
     MULTI_STEP_DRAFT_MAX_ROWS rows: the scheduler sends no drafts of its own and takes
-    blocks for every token a request may keep. A batch of 8 multi-steps without drafts, and
-    one of more than 8 (never a multi-step) drafts in single steps as before. Output equals
-    decoding without drafts, in fewer messages than multi-steps alone, drafts counted."""
+    blocks for every token a request may keep. A batch of 8 (the most that multi-steps)
+    drafts a token each; where speculate_max_rows leaves no room it multi-steps without
+    drafts. Output equals decoding without drafts, in fewer messages than multi-steps
+    alone, drafts counted."""
     from engine.lookahead import MULTI_STEP_DRAFT_MAX_ROWS, MULTI_STEP_MAX_ROWS
 
     prompts = [[11 + (i * 5 + j) % 13 for j in range(9 + i)] for i in range(4)]
@@ -214,9 +215,9 @@ def test_batches_that_multi_step_draft_inside_their_multi_steps():
     alone, lone, _ = run(4, prompts[:1], num_blocks=256, num_scheduler_steps=4)
     assert alone["r0"] == plain["r0"] and lone.stats.num_accepted_tokens > 0
 
-    def first_step_of_plain_decodes(num_requests: int):
-        config = SchedulerConfig(max_model_len=1024, speculate=4, speculate_max_rows=16,
-                                 num_scheduler_steps=4)
+    def first_step_of_plain_decodes(num_requests: int, speculate_max_rows: int = 16):
+        config = SchedulerConfig(max_model_len=1024, speculate=4,
+                                 speculate_max_rows=speculate_max_rows, num_scheduler_steps=4)
         s = Scheduler(config, CacheConfig(4, 256), frozenset({EOS}))
         w = FakeWorker(4, copying_model)
         for i in range(num_requests):
@@ -226,7 +227,8 @@ def test_batches_that_multi_step_draft_inside_their_multi_steps():
         s.update(out, w.step(out.step_input))
         return s, s.schedule().step_input
 
-    for num_requests in (1, 4):
+    assert MULTI_STEP_DRAFT_MAX_ROWS == 2 * MULTI_STEP_MAX_ROWS
+    for num_requests in (1, 4, MULTI_STEP_MAX_ROWS):
         s, step = first_step_of_plain_decodes(num_requests)
         assert not step.draft_token_ids and step.num_steps == 4
         assert step.drafting.speculate == 4
@@ -236,7 +238,7 @@ def test_batches_that_multi_step_draft_inside_their_multi_steps():
         for request_id in step.num_scheduled_tokens:
             request = s.requests[request_id]
             assert len(s.block_manager.get_block_ids(request_id)) * 4 >= request.num_computed_tokens
-    _, step = first_step_of_plain_decodes(MULTI_STEP_MAX_ROWS)
+    _, step = first_step_of_plain_decodes(MULTI_STEP_MAX_ROWS, speculate_max_rows=8)
     assert step.num_steps == 4 and step.drafting is None and not step.draft_token_ids
     assert set(step.num_scheduled_tokens.values()) == {4}
     _, step = first_step_of_plain_decodes(MULTI_STEP_MAX_ROWS + 1)
