@@ -29,7 +29,7 @@ from engine.request import Request
 # tok/s of single steps, at 1 1.08-1.45x (benchmarks/NOTES.md 65).
 MULTI_STEP_MAX_ROWS = 8
 # Drafts inside a multi-step fill its steps up to this many rows, the requests' own
-# included (a multi-step of 8 requests drafts a token each at most). A CPU step's cost grows
+# included (8 drafts at most among a multi-step's 8 requests). A CPU step's cost grows
 # with its rows, so how far drafts pay depends on the products: through `serve run`, with
 # SmolLM2's Q4_1 file, 8 requests on grounded prompts read 1.25-1.27x the tok/s of no
 # drafts on a Zen 4 EPYC with this cap, 1.05x with a cap of 8 rows; on a Zen 3 one, where a
