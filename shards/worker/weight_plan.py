@@ -90,8 +90,9 @@ def panels_pay(rows: int, onednn_s: float, panels_s: float) -> bool:
 # caches to the rest of it: in steps of 10-14 rows of SmolLM2's Q4_1 file on an AMD EPYC,
 # blocks for every linear took 0.79-0.93x the time that the float path for the linears
 # whose timing said 0.9-1.0x did; so a tie is enough (NOTES.md 71). 12 and 24: the
-# blocks' lead ends between the powers of two.
-QUANT_TIMED_ROWS = (1, 4, 8, 12, 16, 24, 32)
+# blocks' lead ends between the powers of two. 6: a one-request step with 4 drafts has 5
+# rows, and the LM head's Q8_0 blocks win there but not at 8 (NOTES.md 99).
+QUANT_TIMED_ROWS = (1, 4, 6, 8, 12, 16, 24, 32)
 QUANT_MAX_RATIO = 1.0
 # bfloat16 weights: steps bigger than the block kernel's go through float32 copies of them
 # where oneDNN's float32 product takes at most this share of its bfloat16 one at 128 rows.

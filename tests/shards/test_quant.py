@@ -4,6 +4,8 @@ every type and row count, and a real Q4_1 file serves its one-row steps from its
 
 from __future__ import annotations
 
+import dataclasses
+
 import gguf
 import numpy as np
 import pytest
@@ -319,6 +321,39 @@ def test_each_kind_of_linear_keeps_its_blocks_up_to_its_own_timed_rows(llama_dir
         if isinstance(m, _Matmul) and m.quant is not None:
             assert m.quant_rows == (8 if name.endswith("o_proj") else 1), name
             assert by_kind[f"{m.weight_shape[0]}x{m.weight_shape[1]} Q8_0"] == m.quant_rows
+
+
+def test_a_one_request_step_with_four_drafts_takes_the_blocks_where_they_win_at_6_rows(
+        monkeypatch, tmp_path):
+    """A request with `speculate=4` checks its drafts in steps of 5 rows; start-up times the
+    blocks at 6 rows, so where they win there (SmolLM2's Q8_0 LM head on a Zen 4 EPYC: 0.63x
+    the float path at 6 rows, 1.03x at 8; benchmarks/NOTES.md 99) those steps take them.
+    Here the timings are set: blocks win up to 6 rows and lose from 8, for every linear."""
+    from deployments.offline import LLM
+    from engine.sampling_params import SamplingParams
+    from shards.cpu import timings as startup_timings
+    from shards.model.layers import _Matmul
+    from shards.worker import weight_plan
+    from tests.reference import smollm2_gguf
+
+    monkeypatch.setattr(weight_plan, "time_quant_products",  # (float path, blocks)
+                        lambda linears, rows, rounds=3: (1.0, 0.5 if rows <= 6 else 1.5))
+    monkeypatch.setattr(startup_timings, "directory", lambda: tmp_path)  # none kept before
+    llm = LLM(str(smollm2_gguf()), num_blocks=64, speculate=4)
+    assert set(llm.runner.weights.quant_rows_by_kind.values()) == {6}
+    rows = []
+    product = _Matmul.quant_product
+    monkeypatch.setattr(_Matmul, "quant_product",
+                        lambda self, x, *rest: rows.append(x.shape[0]) or product(self, x, *rest))
+    text = "one two three four five six seven eight nine ten"
+    prompt = f"Repeat this text exactly.\n\nText: {text}\n\nRepeated text: {text}\n\n" \
+             "Repeated text:"
+    params = SamplingParams(max_new_tokens=24)
+    drafted = llm.generate([prompt], params)[0].token_ids
+    stats = llm.engine.scheduler.stats
+    assert stats.num_accepted_tokens >= 4 and 5 in rows  # drafts kept, in 5-row steps
+    llm.engine.scheduler.config = dataclasses.replace(llm.engine.scheduler.config, speculate=0)
+    assert llm.generate([prompt], params)[0].token_ids == drafted
 
 
 @pytest.mark.parametrize("square_blocks_lose", [True, False])
