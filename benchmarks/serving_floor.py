@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--input-len", type=int, default=112)
     p.add_argument("--output-len", type=int, default=72)
     p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--seed", type=int, default=None, help="load: the prompts' seed (default: "
+                   "from the clock, so that a second run on one server misses its prefix cache)")
     args = p.parse_args(argv)
     if args.what == "idle":
         before = cpu_snapshot()
@@ -154,13 +156,18 @@ def main(argv: list[str] | None = None) -> dict:
         return {"cpu_ms_per_s": total, "processes": rows}
     from benchmarks import serve as load
 
+    # Prompts the server has not seen: a repeated prompt is served from the prefix cache
+    # (in one run, the warm-up's would be the measured run's first ones).
+    seed = args.seed if args.seed is not None else time.time_ns() % 2**31
+    print(f"prompts from seed {seed}")
     common = ["--url", args.url, "--concurrency", str(args.concurrency),
               "--input-len", str(args.input_len),
               "--output-len", str(args.output_len)]
-    asyncio.run(load.run(load.parse_args([*common, "--num-prompts", "4"])))  # warm-up
+    asyncio.run(load.run(load.parse_args([*common, "--num-prompts", "4",
+                                          "--seed", str(seed + 1_000_003)])))  # warm-up
     before = cpu_snapshot()
     summary = asyncio.run(load.run(load.parse_args([*common, "--num-prompts",
-                                                    str(args.num_prompts)])))
+                                                    str(args.num_prompts), "--seed", str(seed)])))
     tokens = summary["total_output_tokens"]
     if summary["failed"] or not tokens or summary["median_itl_ms"] is None:
         raise SystemExit(f"the load did not stream tokens from {args.url}: {summary['errors']}")
@@ -169,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"{total:.2f} ms of CPU per output token ({tokens} tokens)")
     for value, name in rows:
         print(f"{value:8.2f}  {name}")
-    return {**summary, "cpu_ms_per_token": total, "processes": rows}
+    return {**summary, "cpu_ms_per_token": total, "processes": rows, "seed": seed}
 
 
 if __name__ == "__main__":

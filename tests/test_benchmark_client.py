@@ -101,3 +101,31 @@ def test_the_speculation_benchmarks_request_goes_again_once_where_nothing_was_an
         assert result == answer
     else:
         assert isinstance(result, answer)
+
+
+def test_serving_floor_load_sends_prompts_the_server_has_not_cached(monkeypatch):
+    """`serving_floor load` measures prompts that neither its warm-up nor an earlier run on
+    the same server sent (a repeat is served from the prefix cache); --seed repeats a run."""
+    from benchmarks import serve, serving_floor
+
+    sent: list[list[list[int]]] = []
+
+    async def fake_run(args):
+        sent.append([prompt for prompt, _ in serve.make_requests(
+            args.num_prompts, args.input_len, args.output_len, args.range_ratio,
+            args.vocab_size, args.seed)])
+        return {"total_output_tokens": 8, "failed": 0, "median_itl_ms": 1.0,
+                "output_throughput": 8.0, "errors": []}
+
+    monkeypatch.setattr(serve, "run", fake_run)
+    argv = ["load", "--num-prompts", "6", "--input-len", "16"]
+    first, second = serving_floor.main(argv), serving_floor.main(argv)
+    warm_1, measured_1, warm_2, measured_2 = sent
+    assert len(warm_1) == 4 and len(measured_1) == 6
+    assert not set(map(tuple, warm_1)) & set(map(tuple, measured_1))
+    assert not set(map(tuple, measured_1)) & set(map(tuple, measured_2 + warm_2))
+    assert first["seed"] != second["seed"]
+    sent.clear()
+    assert serving_floor.main([*argv, "--seed", "5"])["seed"] == 5
+    serving_floor.main([*argv, "--seed", "5"])
+    assert sent[1] == sent[3]
