@@ -43,6 +43,10 @@ class AttentionMetadata:
 class AttentionBackend:
     name = "base"
     needs_varlen_metadata = False
+    # A prefill chunk whose context (cached tokens and its own) is at most this long is
+    # given to the backend as decode rows, one a token, each attending up to its position
+    # (shards/worker/batch.py `metadata`); 0: never.
+    prefill_as_decodes_max_tokens = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -131,9 +135,14 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     which reads K and V in place through the block table, with neither the gather nor
     the padding to the longest sequence that the torch path pays (at batch 30 with
     contexts of 40-280 tokens: a decode step 56 -> 38 ms, benchmarks/NOTES.md 19).
-    Prefill chunks go through the torch path."""
+    Prefill chunks with up to 512 tokens of context come as decode rows too: on SmolLM2's
+    heads the kernel took 0.13x the torch path's time for a 4-token prompt, 0.22x for 16
+    tokens after 32 cached, 0.67x for 160 and 0.85x for 512, and lost from 768 on (and
+    for 64 rows after 2,000 cached: benchmarks/NOTES.md 101); longer chunks go through the
+    torch path."""
 
     name = "cpu"
+    prefill_as_decodes_max_tokens = 512
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel

@@ -23,9 +23,18 @@ NOTHING_LEFT = ("no token may be drawn at output position {}: allowed_token_ids,
 def metadata(backend, dev: torch.device, decodes, prefills, num_tokens: int,
              slots: list[int] | None = None) -> AttentionMetadata:
     """The attention's view of a step's rows: `decodes` as (sequence length, block ids),
-    then `prefills` as (first row, end row, tokens cached before, block ids)."""
+    then `prefills` as (first row, end row, tokens cached before, block ids). Prefill
+    chunks right after the decodes that the backend takes as decode rows
+    (`prefill_as_decodes_max_tokens`) become one decode row a token."""
     if slots is None:
         slots = list(range(num_tokens))
+    most, decodes = backend.prefill_as_decodes_max_tokens, list(decodes)
+    while most and prefills:
+        start, end, cached, blocks = prefills[0]
+        if start != len(decodes) or cached + end - start > most:
+            break
+        decodes += [(cached + i + 1, blocks) for i in range(end - start)]
+        prefills = prefills[1:]
     width = max((len(b) for _, b in decodes), default=0)
     tables = torch.tensor([b + [0] * (width - len(b)) for _, b in decodes] or [[0]],
                           dtype=torch.long, device=dev)[: len(decodes)]

@@ -20,6 +20,7 @@ from shards.model.attention import (
     select_backend,
     write_kv,
 )
+from shards.worker.batch import metadata
 
 
 def dense_reference(q, k, v, scale):
@@ -36,7 +37,10 @@ def test_torch_backend_mixed_batch_matches_dense():
     check_mixed_batch(TorchAttentionBackend())
 
 
-def check_mixed_batch(backend):
+def check_mixed_batch(backend, via_runner_metadata: bool = False):
+    """The batch's attention equals dense attention per sequence. With
+    `via_runner_metadata`, its metadata is the runner's (shards/worker/batch.py), which may
+    give the backend prefill chunks as decode rows."""
     torch.manual_seed(0)
     H, KVH, D, BS, NB = 4, 2, 16, 4, 32
     k_cache, v_cache = torch.zeros(NB, BS, KVH, D), torch.zeros(NB, BS, KVH, D)
@@ -59,14 +63,19 @@ def check_mixed_batch(backend):
     q = torch.cat([full[s][0][a:b] for s, a, b in parts])
     k = torch.cat([full[s][1][a:b] for s, a, b in parts])
     v = torch.cat([full[s][2][a:b] for s, a, b in parts])
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor([x for s, a, b in parts for x in slots(s, range(a, b))]),
-        num_decodes=1,
-        decode_block_tables=torch.tensor([blocks["A"]]),
-        decode_seq_lens=torch.tensor([10]),
-        prefills=[PrefillSeq(1, 7, 7, torch.tensor(blocks["B"])),
-                  PrefillSeq(7, 12, 0, torch.tensor(blocks["C"]))],
-    )
+    slot_mapping = [x for s, a, b in parts for x in slots(s, range(a, b))]
+    if via_runner_metadata:
+        meta = metadata(backend, torch.device("cpu"), [(10, blocks["A"])],
+                        [(1, 7, 7, blocks["B"]), (7, 12, 0, blocks["C"])], 12, slot_mapping)
+    else:
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping),
+            num_decodes=1,
+            decode_block_tables=torch.tensor([blocks["A"]]),
+            decode_seq_lens=torch.tensor([10]),
+            prefills=[PrefillSeq(1, 7, 7, torch.tensor(blocks["B"])),
+                      PrefillSeq(7, 12, 0, torch.tensor(blocks["C"]))],
+        )
     out = backend.forward(q, k, v, k_cache, v_cache, meta, D**-0.5)
     row = 0
     for s, a, b in parts:
@@ -180,6 +189,28 @@ def test_cpu_backend_mixed_batch_matches_dense(cpu_kernel):
     mixed batch of the torch backend's test."""
 
     check_mixed_batch(CpuPagedAttentionBackend(cpu_kernel))
+
+
+def test_cpu_backend_takes_short_prefill_chunks_as_decode_rows(cpu_kernel):
+    """The runner's metadata gives the CPU backend a chunk of at most 512 tokens of context
+    (cached ones included) as one decode row a token, each attending up to its own
+    position; the mixed batch still equals dense attention. Only chunks right after the
+    decodes move, and only for a backend that takes them."""
+    backend = CpuPagedAttentionBackend(cpu_kernel)
+    check_mixed_batch(backend, via_runner_metadata=True)
+
+    cpu, decodes = torch.device("cpu"), [(10, [5, 1, 9])]
+    chunks = [(1, 7, 7, [2, 7, 30, 11]), (7, 12, 0, [20, 3]), (12, 612, 0, list(range(150)))]
+    meta = metadata(backend, cpu, decodes, chunks, 612)
+    assert meta.num_decodes == 12  # A's decode, B's 6 rows after 7 cached, C's 5
+    assert meta.decode_seq_lens.tolist() == [10, 8, 9, 10, 11, 12, 13, 1, 2, 3, 4, 5]
+    assert meta.decode_block_tables[1].tolist() == [2, 7, 30, 11]
+    assert meta.decode_block_tables[7].tolist() == [20, 3, 0, 0]
+    assert [(p.start, p.end) for p in meta.prefills] == [(12, 612)]  # 600 tokens: torch
+    meta = metadata(backend, cpu, decodes, [chunks[2], (612, 617, 0, [20, 3])], 617)
+    assert meta.num_decodes == 1 and len(meta.prefills) == 2  # behind a long one: stays
+    meta = metadata(TorchAttentionBackend(), cpu, decodes, chunks[:2], 12)
+    assert meta.num_decodes == 1 and len(meta.prefills) == 2
 
 
 @pytest.mark.parametrize("rows", [1, 7, 33, 600])  # 600: the rows split across threads
