@@ -110,6 +110,19 @@ class _Matmul(nn.Module):
             else self.quant_kernels.linear_quant
         return kernel(x, self.quant, self.quant_type, self.weight_shape[0], bias)
 
+    def native_route(self, rows: int) -> tuple[int, torch.Tensor, int] | None:
+        """`matmul`'s route for a step of `rows` rows as raygen's DecodeStack names it
+        (shards/cpu/csrc/ops.h): (route, the weight in its layout, GGUF block type), or
+        None where the route is not one of its kernels'. Keep in step with `matmul`."""
+        if self.quant is not None and rows <= self.quant_rows:
+            route = 0 if self.quant_lanes else 2 if self.quant_int8 else 1
+            return route, self.quant, self.quant_type
+        if self.panels is not None and self.panel_rows[0] <= rows <= self.panel_rows[1]:
+            return 3, self.panels, -1
+        if self.transposed is not None and rows == 1:
+            return 4, self.transposed, -1
+        return None
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
         if self.quant is not None and rows <= self.quant_rows:

@@ -111,7 +111,12 @@ class DecodeLoop:
     calls, the attention backend's path for mixed batches, the norm and rotary wrappers).
     Linears go through their own `forward`, which keeps LoRA, the all-reduce of a
     row-parallel product and its bias. One-row steps of SmolLM2's Q4_1 file took 0.80-0.87x
-    the time (benchmarks/NOTES.md 80)."""
+    the time (benchmarks/NOTES.md 80).
+
+    Where the kernels have it, the layers run in one call (their `DecodeStack`, the same
+    kernels in the same order): for a step on one rank with no LoRA rows, whose linears'
+    routes at its row count are all raygen's kernels or a K x N copy (one stack per row
+    count, built at its first step). Other steps take the loop below."""
 
     def __init__(self, model: DecoderModel, kernels: Any):
         attn = model.layers[0].self_attn
@@ -124,9 +129,17 @@ class DecodeLoop:
         self.layers = [(layer.input_layernorm.weight, layer.self_attn.qkv_proj,
                         layer.self_attn.o_proj, layer.post_attention_layernorm.weight,
                         layer.mlp.gate_up_proj, layer.mlp.down_proj) for layer in model.layers]
+        self.native = hasattr(kernels, "DecodeStack") and attn.qkv_proj.tp.world_size == 1
+        self._stacks: dict[int, Any] = {}  # rows -> the DecodeStack for them, or None
+        self._stacks_kv: list[KVCache] | None = None  # the caches the stacks write
+        self._lora: Any = False  # the adapters' shared LoRABatch, None without; False: unread
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+        stack = self._stack(input_ids.shape[0], kv_caches) if self.native else None
+        if stack is not None:
+            return stack.run(self.embed(input_ids), positions, meta.slot_mapping,
+                             meta.decode_block_tables, meta.decode_seq_lens)
         k, eps = self.kernels, self.eps
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         v_from = (heads + kv_heads) * head_dim
@@ -144,6 +157,34 @@ class DecodeLoop:
                                          residual, norm_post, eps)
             x = down_proj.forward(k.silu_mul(gate_up_proj.forward(h)))
         return k.add_rms_norm(x, residual, self.norm, eps)[0]
+
+    def _stack(self, rows: int, kv_caches: list[KVCache]) -> Any:
+        if self._lora is False:  # adapters attach after this loop is made, before any step
+            self._lora = next((linear.lora.batch for layer in self.layers
+                               for linear in layer[1:3] + layer[4:]
+                               if linear.lora is not None), None)
+        if self._lora is not None and self._lora.runs:
+            return None
+        if kv_caches is not self._stacks_kv:  # caches allocated anew
+            self._stacks, self._stacks_kv = {}, kv_caches
+        if rows not in self._stacks:
+            self._stacks[rows] = self._build(rows, kv_caches)
+        return self._stacks[rows]
+
+    def _build(self, rows: int, kv_caches: list[KVCache]) -> Any:
+        stack = self.kernels.DecodeStack(self.heads, self.kv_heads, self.head_dim, self.scale,
+                                         self.eps, self.cos, self.sin, self.norm)
+        for (norm_in, qkv_proj, o_proj, norm_post, gate_up_proj, down_proj), (k_cache, v_cache) \
+                in zip(self.layers, kv_caches, strict=True):
+            linears = (qkv_proj, o_proj, gate_up_proj, down_proj)
+            routes = [linear.native_route(rows) for linear in linears]
+            # A row-parallel bias is added after the product (and its all-reduce), not in it.
+            if None in routes or o_proj.bias is not None or down_proj.bias is not None:
+                return None
+            stack.add_layer(norm_in, norm_post, [r[0] for r in routes], [r[1] for r in routes],
+                            [r[2] for r in routes], [linear.weight_shape[0] for linear in linears],
+                            [qkv_proj.bias, None, gate_up_proj.bias, None], k_cache, v_cache)
+        return stack
 
 
 class CausalLM(nn.Module):

@@ -92,6 +92,36 @@ def test_decode_steps_take_the_loop_bit_for_bit_as_the_modules(arch, kv_cache_dt
     assert 1 in checked.rows and max(checked.rows) >= 4  # one row and a batch
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decode_stack_runs_the_layers_in_one_call_bit_for_bit(arch, llama_dir, qwen2_dir,
+                                                              parity_prompts):
+    """Where every linear of a decode step goes through raygen's kernels (here q8_0 blocks
+    made at load), the loop's layers run in one C++ call (DecodeStack): the same bits as
+    the loop's Python, Qwen2's q/k/v biases included; a LoRA step stays in Python."""
+    model_dir = llama_dir if arch == "llama" else qwen2_dir
+    llm = LLM(model_dir, num_blocks=256, quantize="q8_0")
+    model = llm.runner.model.model
+    loop = model.decode_loop
+    assert loop.native, "the kernels have DecodeStack and the model runs on one rank"
+    stacked: list[int] = []
+
+    def checked(input_ids, positions, kv_caches, meta):
+        loop.native = False
+        python = loop(input_ids, positions, kv_caches, meta)
+        loop.native = True
+        out = loop(input_ids, positions, kv_caches, meta)  # writes the same K and V again
+        assert torch.equal(out, python)
+        if loop._stacks.get(len(input_ids)) is not None:
+            stacked.append(len(input_ids))
+        return out
+
+    model.decode_loop = checked
+    run_staggered(llm, parity_prompts, PARITY_NEW_TOKENS)
+    assert 1 in stacked and max(stacked) >= 4  # one row and a batch took the stack
+    loop._lora = type("Batch", (), {"runs": [(1, 0, 1)]})()  # a step with an adapter's row
+    assert loop._stack(1, llm.runner.kv_caches) is None
+
+
 def test_chunked_prefill_matches(llama_dir, parity_prompts):
     llm = LLM(llama_dir, num_blocks=256, max_batch_prefill_tokens=48)
     got, _ = run_staggered(llm, parity_prompts, PARITY_NEW_TOKENS)
@@ -269,6 +299,8 @@ def run_counting(llm, prompts, kernel=None) -> tuple[dict, list[int], list[int]]
     import torch
 
     mm_calls, panel_calls = [], []
+    # The Python loop: DecodeStack calls the same kernels from C++, out of these counters' sight.
+    llm.runner.model.model.decode_loop.native = False
     mm = torch.mm
     panels = kernel.linear_panels if kernel is not None else None
     try:
@@ -461,6 +493,7 @@ def test_float32_rows_in_lanes_match_transformers(arch, threads, up_to, llama_di
                                                   if m.quant is not None})
     assert not any(name.endswith("down_proj") for name, m in linears.items() if m.quant_lanes)
     calls = []
+    llm.runner.model.model.decode_loop.native = False  # counted in Python, not in DecodeStack
     product = lanes_kernel.linear_quant_lanes
     monkeypatch.setattr(lanes_kernel, "linear_quant_lanes",
                         lambda x, *rest: calls.append(x.shape[0]) or product(x, *rest))

@@ -30,6 +30,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "W's GGUF blocks (Q4_0, Q4_1, Q8_0) as groups of 8 rows, one row per vector lane");
   m.def("linear_quant_lanes", &linear_quant_lanes,
         "one row of x times W^T (+ bias) on pack_quant_lanes' layout (CPU, fp32 x)");
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, at::Tensor, at::Tensor,
+                          at::Tensor>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def("run", &DecodeStack::run, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "a decode step's layers and final norm on the embedded rows (CPU, fp32)");
   m.def("lora_add", &lora_add,
         "y[r] += x[r] A[:, c0:c1] B[c0:c1] with (c0, c1) each row's adapter's columns (CPU, fp32)");
 }

@@ -4,6 +4,7 @@
 
 #include "tensor.h"
 
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -49,3 +50,24 @@ at::Tensor linear_quant_lanes(at::Tensor x, at::Tensor lanes, int64_t type, int6
 // LoRA: each row's delta through its own adapter's columns, added to y (lora.cpp).
 void lora_add(at::Tensor x, at::Tensor y, at::Tensor a_rows, at::Tensor b_rows,
               at::Tensor columns);
+
+// A decode step's decoder layers, the same kernels in DecodeLoop's order, in one call
+// (decode_stack.cpp). Each linear comes with its route for the step's row count:
+// 0 linear_quant_lanes, 1 linear_quant, 2 linear_quant_i8, 3 linear_panels, 4 x @ W (a
+// K x N copy).
+class DecodeStack {
+ public:
+  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double scale, double eps,
+              at::Tensor cos, at::Tensor sin, at::Tensor final_norm);
+  void add_layer(at::Tensor norm_in, at::Tensor norm_post, std::vector<int64_t> routes,
+                 std::vector<at::Tensor> weights, std::vector<int64_t> types,
+                 std::vector<int64_t> out_features, std::vector<std::optional<at::Tensor>> biases,
+                 at::Tensor k_cache, at::Tensor v_cache);
+  int64_t num_layers() const;
+  at::Tensor run(at::Tensor x, at::Tensor positions, at::Tensor slot_mapping,
+                 at::Tensor block_tables, at::Tensor seq_lens) const;
+
+ private:
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+};
