@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from shards.checkpoints.gguf_weights import BF16_KERNEL_TYPE
 from shards.cpu import timings as startup_timings
 from shards.cpu.layouts import (
     F32_LANES_TYPE,
@@ -94,6 +95,13 @@ def panels_pay(rows: int, onednn_s: float, panels_s: float) -> bool:
 # rows, and the LM head's Q8_0 blocks win there but not at 8 (NOTES.md 99).
 QUANT_TIMED_ROWS = (1, 4, 6, 8, 12, 16, 24, 32)
 QUANT_MAX_RATIO = 1.0
+# bfloat16 weights in raygen's lanes, where oneDNN multiplies bfloat16 too, read the same
+# bytes: they serve steps of up to this many rows at most. With vdpbf16ps they took
+# 0.80-0.83x oneDNN's time at 8 rows alone and 1.0-1.09x at 12-16; served at 32 requests,
+# with lanes that the timings gave steps of up to 16-24 rows raygen read 0.95-0.97x the
+# tok/s it read without vdpbf16ps (three runs), and with the lanes capped at 8, 1.06x
+# (benchmarks/NOTES.md 105).
+BF16_MAX_ROWS = 8
 # bfloat16 weights: steps bigger than the block kernel's go through float32 copies of them
 # where oneDNN's float32 product takes at most this share of its bfloat16 one at 128 rows.
 BF16_TIMED_ROWS = 128
@@ -103,6 +111,18 @@ BF16_WIDEN_RATIO = 0.8
 def _shapes(model: torch.nn.Module) -> list[list[int]]:
     """Every weight a start-up timing multiplies by, as (N, K): what its seconds depend on."""
     return [list(m.weight_shape) for m in model.modules() if isinstance(m, _Matmul)]
+
+
+def _products(linear: _Matmul) -> str:
+    """How raygen's kernels multiply by `linear`'s blocks, for the log."""
+    if linear.quant_int8:
+        return "x rounded to int8 blocks, products in integers"
+    if not linear.quant_lanes:
+        return "x in float32"
+    dot_rows = (linear.quant_kernels.bf16_dot_min_rows()
+                if linear.quant_type == BF16_KERNEL_TYPE else 0)
+    return ("x in float32" + (f", rounded to bfloat16 in steps of {dot_rows} rows or more"
+                              if dot_rows else "") + ", 8 output rows to a vector")
 
 
 def bf16_block_kernel(attention_backend: str) -> bool:
@@ -315,8 +335,12 @@ class WeightPlan:
         Q8_0 ones 1.2x; NOTES.md 71)."""
         for kind, linears in quant_groups(self.model).items():
             timings = self.quant_timings[kind] = {}
+            capped = (linears[0].quant_type == BF16_KERNEL_TYPE
+                      and linears[0].packed_dtype == torch.bfloat16)
             up_to = 0
             for rows in QUANT_TIMED_ROWS:
+                if capped and rows > BF16_MAX_ROWS:
+                    break
                 float_s, blocks_s = timings[rows] = self._timed(
                     ("quant", kind, len(linears), rows, self.quant_int8),
                     time_quant_products, linears, rows)
@@ -327,10 +351,7 @@ class WeightPlan:
                 m.quant_rows = up_to
             self.quant_rows_by_kind[kind] = up_to
             logger.info("raygen's block kernel, %d linears of %s (%s): %s: %s", len(linears),
-                        kind, "x rounded to int8 blocks, products in integers"
-                        if linears[0].quant_int8 else "x in float32" + (
-                            ", 8 output rows to a vector"
-                            if linears[0].quant_lanes else ""),
+                        kind, _products(linears[0]),
                         "; ".join(f"{rows} row(s) {a * 1e3:.2f} ms without, {b * 1e3:.2f} "
                                   f"ms with" for rows, (a, b) in timings.items()),
                         f"used for steps of 1-{up_to} rows" if up_to else "not used")

@@ -80,11 +80,15 @@ def test_products_in_lanes_equal_the_dequantized_weights(kind, n, threads, rows)
 @lanes
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "threads"), [(40, 1), (200, 2)])
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 57])
+# 2 rows: float32 x for bfloat16 weights; 5 and more: rounded to bfloat16 where the CPU
+# has vdpbf16ps. 9 = 5 + 4 rows of x, 57 = 7 x 8 + 1 (a last tile of one row); 40 and 200
+# output rows end in a task of one group of 8.
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 57])
 def test_float_weights_in_lanes_equal_their_product(dtype, n, threads, rows):
     """float32 and bfloat16 weights laid out with 8 output rows to a vector (the copy that
     AVX2 CPUs' small float32 steps take, and the bfloat16 weights' one): the weights' own
-    product up to summation order, every weight where the matrix has it."""
+    product up to summation order, every weight where the matrix has it. bfloat16 steps of
+    `bf16_dot_min_rows` rows and more multiply x rounded to bfloat16, as oneDNN does."""
     kind = F32_LANES_TYPE if dtype == torch.float32 else BF16_KERNEL_TYPE
     generator = torch.Generator().manual_seed(n + rows)
     k = 96
@@ -102,7 +106,10 @@ def test_float_weights_in_lanes_equal_their_product(dtype, n, threads, rows):
                              for j in range(0, k, rows)], dim=1)[:, :k]
     finally:
         torch.set_num_threads(saved)
-    want = (x.double() @ weight.double().T + bias.double()).float()
+    dot_rows = kernels.bf16_dot_min_rows()
+    rounded = dtype == torch.bfloat16 and 0 < dot_rows <= rows
+    xs = x.to(torch.bfloat16).float() if rounded else x
+    want = (xs.double() @ weight.double().T + bias.double()).float()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     assert torch.equal(columns, weight.float())
 

@@ -43,6 +43,9 @@ at::Tensor linear_quant_i8(at::Tensor x, at::Tensor weight, int64_t type, int64_
 // One row of x times W^T with W's Q4_0, Q4_1 or Q8_0 blocks laid out again so that a
 // vector's lanes hold 8 output rows (quant_lanes.cpp): a decode step's products.
 bool quant_lanes_supported();
+// The fewest rows of x that bfloat16 weights in lanes multiply rounded to bfloat16
+// (vdpbf16ps: AVX-512 with avx512_bf16); 0 where not built: x stays float32.
+int64_t bf16_dot_min_rows();
 at::Tensor pack_quant_lanes(at::Tensor weight, int64_t type, int64_t in_features);
 at::Tensor linear_quant_lanes(at::Tensor x, at::Tensor lanes, int64_t type, int64_t out_features,
                               std::optional<at::Tensor> bias);

@@ -25,9 +25,11 @@
 // 0.61x in bfloat16 at 1-2 rows, 0.55x and 0.94x at 8 (benchmarks/NOTES.md 95).
 //
 // Float weights take the same layout with no scales: bfloat16 (the upper half of a float32,
-// shifted into place) and float32 (a copy that AVX2 CPUs keep for their small float32 steps;
-// oneDNN reads a weight past one row at about half the rate these do, benchmarks/NOTES.md 83;
-// AVX-512 builds cut that copy into panels instead, 0.96x the lanes' time at one row).
+// shifted into place; positions in pairs, which vdpbf16ps multiplies where steps of several
+// rows take x rounded to bfloat16: bf16_dot_product) and float32 (a copy that AVX2 CPUs
+// keep for their small float32 steps; oneDNN reads a weight past one row at about half the
+// rate these do, benchmarks/NOTES.md 83; AVX-512 builds cut that copy into panels instead,
+// 0.96x the lanes' time at one row).
 //
 // Threads take contiguous ranges of 16 output rows and claim within them in order, so that
 // each thread streams its weights front to back (claims handed out in turn cut each
@@ -47,9 +49,13 @@ namespace {
 
 constexpr int64_t kLanes = 8;  // output rows per group (AVX2's floats per vector)
 constexpr int kMaxTileRows = 8;  // rows of x per pass over the weights
+// bfloat16 weights: steps of at least this many rows multiply x rounded to bfloat16
+// (bf16_dot_product), where a CPU has vdpbf16ps; smaller ones keep float32 x.
+constexpr int64_t kBf16DotRows = 4;
 
 // Bytes of one block of a group of 8 rows: the quants, then 8 fp16 d (and for Q4_1 8 fp16 m);
-// for float weights (bfloat16, float32) the 32 positions' 8 rows, position by position.
+// for float32 weights the 32 positions' 8 rows, position by position; for bfloat16 ones the
+// 16 position pairs' 8 rows, pair by pair, a row's two weights side by side.
 constexpr int64_t lane_block_bytes(int64_t type) {
   switch (type) {
     case kQ4_0: return 128 + 16;
@@ -76,15 +82,17 @@ constexpr int64_t blocks_ahead() {
   return T == kF32 ? 2 : T == kBF16 ? 4 : 8;
 }
 
-// The weights of position k of a float block for the group's 8 rows (bfloat16: the upper half
-// of a float32, shifted into place).
+// The weights of position k of a float block for the group's 8 rows. bfloat16 blocks hold
+// positions in pairs (bf16_offset): a 32-bit lane holds row r's weights 2p and 2p + 1, so
+// the even one is shifted into the upper half of a float32 and the odd one masked.
 template <int64_t T>
 inline __m256 float_lanes(const uint8_t* blk, int k) {
   if constexpr (T == kF32) {
     return _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 8 * k);
   } else {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * k));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * (k >> 1)));
+    return _mm256_castsi256_ps((k & 1) ? _mm256_and_si256(pair, _mm256_set1_epi32(-65536))
+                                       : _mm256_slli_epi32(pair, 16));
   }
 }
 
@@ -263,12 +271,99 @@ void lanes_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
 
 #endif  // RAYGEN_QUANT_LANES
 
+#if defined(RAYGEN_QUANT_LANES) && defined(__AVX512BF16__) && defined(__AVX512VL__)
+#define RAYGEN_BF16_DOT 1
+
+// bfloat16 weights by x rounded to bfloat16 (round to nearest even, as torch's
+// .to(torch.bfloat16) and oneDNN's bfloat16 products round it), in the same layout:
+// vdpbf16ps adds a lane's two products (row r's weights 2p and 2p + 1 by x's pair p) into
+// its float32 sum, 16 multiplies an instruction and no conversion of the weights. Steps of
+// kBf16DotRows rows or more take it (`linear_quant_lanes`); 2-3 rows read the weights at
+// memory's rate either way and keep float32 x. SmolLM2's 120 layer products on a Zen 4
+// EPYC: 0.82-0.87x the float32-x lanes' time at 4 rows, 0.72-0.77x at 6, 0.8-0.9x oneDNN's
+// at 8; oneDNN ties or wins from 12 (benchmarks/NOTES.md 105). A group at a time, front to
+// back as the lanes do (two groups side by side, sharing x's broadcasts: no faster), with
+// A accumulators per row so that a few rows keep the unit busy.
+template <int MR>
+inline void bf16_dot_tile(const uint32_t* xp, int64_t pairs, const uint8_t* w, int64_t nb,
+                          __m256 (&y)[MR]) {
+  constexpr int64_t bytes = lane_block_bytes(kBF16);
+  constexpr int A = MR <= 4 ? 4 : 2;
+  __m256 acc[MR][A];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bytes;
+    prefetch_block(blk + blocks_ahead<kBF16>() * bytes, bytes);
+    const uint32_t* xb = xp + b * (kBlock / 2);
+#pragma GCC unroll 16
+    for (int p = 0; p < kBlock / 2; ++p) {
+      const __m256bh wp =
+          (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * p));
+      for (int r = 0; r < MR; ++r) {
+        const __m256bh xv = (__m256bh)_mm256_set1_epi32(static_cast<int>(xb[r * pairs + p]));
+        acc[r][p % A] = _mm256_dpbf16_ps(acc[r][p % A], xv, wp);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    y[r] = acc[r][0];
+    for (int a = 1; a < A; ++a) y[r] = _mm256_add_ps(y[r], acc[r][a]);
+  }
+}
+
+// Rows r0 .. r0 + MR of out for the groups of one task.
+template <int MR>
+void bf16_dot_rows(const uint32_t* xp, int64_t pairs, const uint8_t* w, int64_t nb, int64_t N,
+                   const float* bias, float* out, int64_t g0, int64_t g1) {
+  const int64_t group_bytes = nb * lane_block_bytes(kBF16);
+  for (int64_t g = g0; g < g1; ++g) {
+    __m256 y[MR];
+    bf16_dot_tile<MR>(xp, pairs, w + g * group_bytes, nb, y);
+    const __m256 bv = bias ? _mm256_loadu_ps(bias + g * kLanes) : _mm256_setzero_ps();
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * N + g * kLanes, _mm256_add_ps(y[r], bv));
+  }
+}
+
+void bf16_dot_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                      const float* bias, float* out) {
+  const int64_t pairs = K / 2, nb = K / kBlock;
+  std::vector<uint32_t> xp(M * pairs);  // x's rows as bfloat16 pairs
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t k = 0; k < K; k += 32) {
+      const float* xr = x + r * K + k;
+      const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + 16), _mm512_loadu_ps(xr));
+      _mm512_storeu_si512(xp.data() + r * pairs + k / 2, (__m512i)h);
+    }
+  const int64_t tiles = (M + kMaxTileRows - 1) / kMaxTileRows, per_tile = (M + tiles - 1) / tiles;
+  constexpr int64_t per_task = kTaskRows / kLanes;
+  const int64_t groups = N / kLanes;
+  for_each_claimed_in_ranges((groups + per_task - 1) / per_task, [&](int64_t task) {
+    const int64_t g0 = task * per_task, g1 = std::min(groups, g0 + per_task);
+    for (int64_t r = 0; r < M; r += per_tile)
+      with_rows<kMaxTileRows>(static_cast<int>(std::min(per_tile, M - r)), [&](auto mr) {
+        bf16_dot_rows<decltype(mr)::value>(xp.data() + r * pairs, pairs, w, nb, N, bias,
+                                           out + r * N, g0, g1);
+      });
+  });
+}
+
+#endif  // RAYGEN_BF16_DOT
+
 void check_lanes_type(const char* name, int64_t type) {
   TORCH_CHECK(lane_block_bytes(type) > 0, name, ": rows in lanes for Q4_0 (0), Q4_1 (1), "
               "Q8_0 (2), BF16 (3) and F32 (4) only, not type ", type);
 }
 
 }  // namespace
+
+int64_t bf16_dot_min_rows() {
+#if defined(RAYGEN_BF16_DOT)
+  return kBf16DotRows;
+#else
+  return 0;
+#endif
+}
 
 bool quant_lanes_supported() {
 #if defined(RAYGEN_QUANT_LANES)
@@ -295,9 +390,12 @@ at::Tensor pack_quant_lanes(at::Tensor weight, int64_t type, int64_t in_features
         uint8_t* ob = o + (g * nb + b) * dst;
         for (int64_t r = 0; r < kLanes; ++r) {
           const uint8_t* blk = w + (g * kLanes + r) * nb * src + b * src;
-          if (is_float(type)) {  // position k of row r at 8 k + r
-            const int64_t size = type == kF32 ? 4 : 2;
-            for (int k = 0; k < 32; ++k) std::memcpy(ob + (8 * k + r) * size, blk + k * size, size);
+          if (type == kF32) {  // position k of row r at 8 k + r
+            for (int k = 0; k < 32; ++k) std::memcpy(ob + (8 * k + r) * 4, blk + k * 4, 4);
+            continue;
+          }
+          if (type == kBF16) {  // positions 2p and 2p + 1 of row r side by side at 8 p + r
+            for (int k = 0; k < 32; ++k) std::memcpy(ob + 32 * (k / 2) + 4 * r + 2 * (k % 2), blk + 2 * k, 2);
             continue;
           }
           std::memcpy(ob + quants + 2 * r, blk, 2);  // d
@@ -341,6 +439,13 @@ at::Tensor linear_quant_lanes(at::Tensor x, at::Tensor lanes, int64_t type, int6
   at::Tensor keep;
   const float* b = bias_data(bias, out_features, "linear_quant_lanes", keep);
   at::Tensor out = at::empty({M, out_features}, xc.options());
+#if defined(RAYGEN_BF16_DOT)
+  if (type == kBF16 && M >= kBf16DotRows) {
+    bf16_dot_product(xc.data_ptr<float>(), M, K, lanes.data_ptr<uint8_t>(), out_features, b,
+                     out.data_ptr<float>());
+    return out;
+  }
+#endif
 #if defined(RAYGEN_QUANT_LANES)
   const auto run = [&](auto t) {
     if (M > 0)
