@@ -83,14 +83,15 @@ constexpr int64_t blocks_ahead() {
 }
 
 // The weights of position k of a float block for the group's 8 rows. bfloat16 blocks hold
-// positions in pairs (bf16_offset): a 32-bit lane holds row r's weights 2p and 2p + 1, so
-// the even one is shifted into the upper half of a float32 and the odd one masked.
+// positions in pairs (pack_quant_lanes): a 32-bit lane holds row r's weights 2p and 2p + 1,
+// so the even one is shifted into the upper half of a float32 and the odd one masked.
 template <int64_t T>
 inline __m256 float_lanes(const uint8_t* blk, int k) {
   if constexpr (T == kF32) {
     return _mm256_loadu_ps(reinterpret_cast<const float*>(blk) + 8 * k);
   } else {
-    const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * (k >> 1)));
+    const __m256i pair =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * (k >> 1)));
     return _mm256_castsi256_ps((k & 1) ? _mm256_and_si256(pair, _mm256_set1_epi32(-65536))
                                        : _mm256_slli_epi32(pair, 16));
   }
@@ -395,7 +396,8 @@ at::Tensor pack_quant_lanes(at::Tensor weight, int64_t type, int64_t in_features
             continue;
           }
           if (type == kBF16) {  // positions 2p and 2p + 1 of row r side by side at 8 p + r
-            for (int k = 0; k < 32; ++k) std::memcpy(ob + 32 * (k / 2) + 4 * r + 2 * (k % 2), blk + 2 * k, 2);
+            for (int k = 0; k < 32; ++k)
+              std::memcpy(ob + 32 * (k / 2) + 4 * r + 2 * (k % 2), blk + 2 * k, 2);
             continue;
           }
           std::memcpy(ob + quants + 2 * r, blk, 2);  // d
