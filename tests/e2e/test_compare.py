@@ -140,8 +140,17 @@ def test_llama_cpp_serves_the_same_gguf_file_and_is_skipped_without_its_build(tm
     assert raygen.key == "raygen-tp1"
     assert llama.command[:3] == [str(binary), "-m", args.model]
     assert llama.command[llama.command.index("-np") + 1] == "32"
+    # Environment variables after % reach a peer too (llama.cpp's extra buffer types off:
+    # its AMX path dies on an illegal instruction on some VMs); builder args do not.
+    (no_repack,) = make_servers(parse_args(["--model", gguf, "--llama-cpp", str(tmp_path),
+                                            "--servers", "llama-server%LLAMA_ARG_REPACK=0"]))
+    assert no_repack.command == llama.command and no_repack.env["LLAMA_ARG_REPACK"] == "0"
+    with pytest.raises(SystemExit, match="only a raygen server takes builder args"):
+        make_servers(parse_args(["--model", gguf, "--llama-cpp", str(tmp_path),
+                                 "--servers", "llama-server@x=1"]))
     for argv in (["--model", gguf, "--llama-cpp", str(tmp_path / "none")],
                  ["--model", llama_dir, "--llama-cpp", str(tmp_path)]):
-        assert make_servers(parse_args([*argv, "--servers", "llama-server"])) == []
+        for key in ("llama-server", "llama-server%LLAMA_ARG_REPACK=0"):
+            assert make_servers(parse_args([*argv, "--servers", key])) == []
     with pytest.raises(SystemExit, match="needs a GGUF --model"):
         parse_args(["--model", llama_dir, "--weights", "F32"])
