@@ -453,8 +453,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "takes builder "
                         "args after @: raygen-default-proxy@reserved_cpus=0+"
                         "num_blocks=512; any key takes environment variables after %%: "
-                        "raygen-import-path@reserved_cpus=0%%RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5, "
-                        "llama-server%%LLAMA_ARG_REPACK=0")
+                        "raygen-import-path@reserved_cpus=0"
+                        "%%RAY_SERVE_CONTROL_LOOP_INTERVAL_S=0.5, llama-server%%LLAMA_ARG_REPACK=0")
     p.add_argument("--concurrency", default="1,8,32,64", help="prefill-heavy workload levels")
     p.add_argument("--decode-heavy-concurrency", default="32",
                    help="levels for the decode-heavy workload ('' skips it)")
