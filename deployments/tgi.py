@@ -21,8 +21,23 @@ class ValidationError(ValueError):
     """A request TGI would refuse with 422 and this message."""
 
 
+# Sampling fields of vLLM's and OpenAI's APIs that TGI's parameters lack and that would
+# change the output: refused on TGI's routes unless at their neutral value (TGI itself drops
+# unknown fields; a client sending one of these expects it honoured). Other unknown fields
+# are dropped, as TGI drops them.
+NOT_TGI: dict[str, tuple] = {  # name: the values (besides null) that change nothing
+    "ignore_eos": (False,), "min_tokens": (0,), "min_p": (0, 0.0), "presence_penalty": (0, 0.0),
+    "logit_bias": ({},), "n": (1,), "max_tokens": (), "stop_token_ids": ([],),
+    "bad_words": ([],), "logprobs": (False,), "top_logprobs": (0,),
+    "skip_special_tokens": (True,), "include_stop_str_in_output": (False,),
+    "use_beam_search": (False,),
+}
+NOT_TGI_USE = {"max_tokens": "max_new_tokens", "n": "best_of", "logprobs": "details",
+               "top_logprobs": "top_n_tokens"}
+
+
 class TGIParameters(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields kept: _check_parameters reads them
 
     best_of: int | None = Field(None, ge=0)
     temperature: float | None = None
@@ -96,6 +111,12 @@ def _check_parameters(request: TGIRequest, limits: Limits, stream: bool
                       ) -> tuple[int, str | None]:
     """The rules that need no tokenizer; returns `best_of` and the grammar's text."""
     p = request.parameters
+    for name, value in (p.model_extra or {}).items():
+        if name in NOT_TGI and value is not None \
+                and not any(type(value) is type(v) and value == v for v in NOT_TGI[name]):
+            use = f"; TGI's is `{NOT_TGI_USE[name]}`" if name in NOT_TGI_USE else ""
+            raise ValidationError(f"`{name}` is not a TGI parameter{use} (the OpenAI routes "
+                                  "take vLLM's sampling fields)")
     best_of = 1 if p.best_of is None else p.best_of
     if best_of != 1:
         if limits.max_best_of == 1:

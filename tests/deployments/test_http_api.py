@@ -107,6 +107,8 @@ VALIDATION = [
      "`adapter_id` my-lora is not loaded: this server serves no LoRA adapters "
      "(lora_adapters, POST /v1/load_lora_adapter)"),
     ({"grammar": {"type": "regex"}}, "`grammar` must be an object with `type` and `value`"),
+    ({"ignore_eos": True},
+     "`ignore_eos` is not a TGI parameter (the OpenAI routes take vLLM's sampling fields)"),
 ]
 
 

@@ -368,6 +368,29 @@ def test_tgi_grammar_takes_a_json_schema_config():
         _grammar({"type": "json_schema", "value": schema})
 
 
+def test_tgi_refuses_other_apis_sampling_fields_unless_neutral_and_drops_the_rest():
+    """TGI drops unknown parameters; vLLM's and OpenAI's sampling fields would change the
+    output a client expects, so they are refused unless at their neutral value."""
+    from deployments.config import Limits
+    from deployments.tgi import TGIRequest, ValidationError, _check_parameters
+
+    limits = Limits(max_input_tokens=64, max_total_tokens=128, max_stop_sequences=4,
+                    max_best_of=2, max_top_n_tokens=5)
+
+    def check(**parameters):
+        return _check_parameters(TGIRequest(inputs="hi", parameters=parameters), limits, False)
+
+    assert check(ignore_eos=False, min_p=0, n=1, max_tokens=None, logit_bias={},
+                 skip_special_tokens=True, unknown_field=7) == (1, None)
+    for name, value, use in (("ignore_eos", True, ""), ("min_p", 0.1, ""),
+                             ("max_tokens", 8, "; TGI's is `max_new_tokens`"),
+                             ("n", 2, "; TGI's is `best_of`"), ("ignore_eos", 0, "")):
+        with pytest.raises(ValidationError) as refused:
+            check(**{name: value})
+        assert str(refused.value) == (f"`{name}` is not a TGI parameter{use} (the OpenAI "
+                                      "routes take vLLM's sampling fields)")
+
+
 def test_log_probability_fields_are_honoured_or_refused_by_name():
     """`echo` with `logprobs` scores the prompt too (its tokens' logprobs and as many
     alternatives as the output's), without them not; on chat it is refused. `top_logprobs`
