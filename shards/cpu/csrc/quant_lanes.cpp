@@ -226,12 +226,98 @@ inline void group_dot_rows(const float* x, int64_t K, int64_t nb, const uint8_t*
   }
 }
 
+#if defined(__AVX512F__)
+#define RAYGEN_LANES_PAIRS 1
+
+// 8 lanes of group a's block and the same 8 of group b's, in one 512-bit vector.
+inline __m512i pair_load(const uint8_t* a, const uint8_t* b) {
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+}
+
+inline __m512 pair_halves(const uint8_t* a, const uint8_t* b) {  // 8 fp16 of each
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+}
+
+// group_dot_rows for two groups at once (16 output rows, 8 of a and 8 of b) in 512-bit
+// vectors: each lane does what group_dot_rows does in its lane (the same dequantization,
+// the same FMAs into the same accumulators in the same order), so the products are the
+// same bits, in half the instructions. Quantized weights, steps of 2-8 rows.
+template <int64_t T, int MR>
+inline void pair_dot_rows(const float* x, int64_t K, int64_t nb, const uint8_t* wa,
+                          const uint8_t* wb, __m512 (&y)[MR]) {
+  static_assert(!is_float(T), "quantized weights only");
+  constexpr int64_t bytes = lane_block_bytes(T);
+  constexpr int64_t quants = T == kQ8_0 ? 256 : 128;
+  constexpr int A = MR <= 2 ? 4 : MR <= 5 ? 2 : 1;
+  __m512 acc[MR][A];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* ba = wa + b * bytes;
+    const uint8_t* bb = wb + b * bytes;
+    prefetch_block(ba + blocks_ahead<T>() * bytes, bytes);
+    prefetch_block(bb + blocks_ahead<T>() * bytes, bytes);
+    const float* xb = x + b * kBlock;
+    const auto use = [&](int k, __m512 wk) {
+      for (int r = 0; r < MR; ++r)
+        acc[r][k % A] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * K + k]), wk, acc[r][k % A]);
+    };
+    const __m512 d = pair_halves(ba + quants, bb + quants);
+    const __m512 m = T == kQ4_1 ? pair_halves(ba + quants + 16, bb + quants + 16)
+                                : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));  // Q4_0
+    if constexpr (T == kQ8_0) {
+#pragma GCC unroll 32
+      for (int k = 0; k < 32; ++k) {
+        const __m128i q = _mm_unpacklo_epi64(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ba + 8 * k)),
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bb + 8 * k)));
+        use(k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d));
+      }
+    } else {
+      const __m512i mask = _mm512_set1_epi32(0xF);
+      for (int g = 0; g < 4; ++g) {
+        const __m512i v = pair_load(ba + 32 * g, bb + 32 * g);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const __m512i q = j == 0 ? _mm512_and_si512(v, mask)
+                            : j == 7 ? _mm512_srli_epi32(v, 28)
+                                     : _mm512_and_si512(_mm512_srli_epi32(v, 4 * j), mask);
+          use(8 * g + j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m));
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    y[r] = acc[r][0];
+    for (int a = 1; a < A; ++a) y[r] = _mm512_add_ps(y[r], acc[r][a]);
+  }
+}
+#endif
+
 // Rows r0 .. r0 + MR of out for the groups of one task.
 template <int64_t T, int MR>
 void lanes_tile(const float* x, int64_t K, const float* xsum, const uint8_t* w, int64_t N,
-                const float* bias, float* out, int64_t g0, int64_t g1) {
+                const float* bias, float* out, int64_t g0, int64_t g1, bool pairs) {
   const int64_t nb = K / kBlock, group_bytes = nb * lane_block_bytes(T);
-  for (int64_t g = g0; g < g1; ++g) {
+  int64_t g = g0;
+#if defined(RAYGEN_LANES_PAIRS)
+  // Two groups at a time where they are two (their 16 outputs are side by side) and the
+  // step asks for it (lanes_product).
+  if constexpr (!is_float(T) && MR >= 2) {
+    for (; pairs && g + 2 <= g1; g += 2) {
+      __m512 y[MR];
+      pair_dot_rows<T, MR>(x, K, nb, w + g * group_bytes, w + (g + 1) * group_bytes, y);
+      const __m512 bv = bias ? _mm512_loadu_ps(bias + g * kLanes) : _mm512_setzero_ps();
+      for (int r = 0; r < MR; ++r)
+        _mm512_storeu_ps(out + r * N + g * kLanes, _mm512_add_ps(y[r], bv));
+    }
+  }
+#endif
+  for (; g < g1; ++g) {
     __m256 y[MR];
     if constexpr (MR == 1 && !is_float(T)) {
       if (xsum != nullptr)  // a step of one row
@@ -271,9 +357,13 @@ void lanes_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
   for (int64_t b = 0; b < static_cast<int64_t>(xsum.size()); ++b)
     for (int64_t j = 0; j < kBlock; ++j) xsum[b] += x[b * kBlock + j];
   const float* one_row_sums = M == 1 && !is_float(T) ? xsum.data() : nullptr;
+  // Groups in pairs (AVX-512): Q8_0 at 2 rows and more (the LM head's blocks: 0.71-0.91x
+  // the time at 2-16 rows), Q4 from 8 (0.83-0.96x at 8-16 rows; at 2-6, bound by two
+  // streams of weights rather than by instructions, 1.07-1.12x: benchmarks/NOTES.md 111).
+  const bool pairs = T == kQ8_0 || M >= 8;
   over_tiles(M, N, [&](auto mr, int64_t r, int64_t g0, int64_t g1) {
     lanes_tile<T, decltype(mr)::value>(x + r * K, K, one_row_sums, w, N, bias, out + r * N, g0,
-                                       g1);
+                                       g1, pairs);
   });
 }
 
