@@ -4,6 +4,7 @@ decode kernel against the torch backend."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -167,6 +168,44 @@ def test_cpu_kernel_decode_equals_the_torch_path(cpu_kernel, num_heads, num_kv_h
                                   meta.decode_seq_lens, scale)
     assert out.shape == ref.shape
     assert torch.allclose(out, ref, atol=2e-6, rtol=1e-5), (out - ref).abs().max()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_kernel_rows_of_one_request_give_the_bits_they_give_alone(cpu_kernel, threads):
+    """A request's row and its drafts (the same block table, one more token each) run as one
+    task per kv head; each row's output is the same bits as that row decoded alone, as
+    speculation's exactness needs, and a run cut short (a table that differs, a length that
+    does not follow) is still right."""
+    q, k_cache, v_cache, meta = _scattered_decode_batch([37, 33, 60, 100], 9, 3, 64, 16,
+                                                        torch.long)
+    tables, lens = meta.decode_block_tables, meta.decode_seq_lens
+    # Rows: request 0 with 4 drafts, request 1 alone, request 2 with 1 draft, then request
+    # 3's row twice at the same length (not a run: a draft is one token further).
+    pick = [0, 0, 0, 0, 0, 1, 2, 2, 3, 3]
+    extra = [0, 1, 2, 3, 4, 0, 0, 1, 0, 0]
+    rows_tables = tables[pick]
+    rows_lens = lens[pick] - 5 + torch.tensor(extra)
+    rows_q = torch.randn(len(pick), 9, 64, generator=torch.Generator().manual_seed(1))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        together = cpu_kernel.paged_decode(rows_q, k_cache, v_cache, rows_tables, rows_lens,
+                                           0.125)
+        alone = torch.cat([cpu_kernel.paged_decode(rows_q[i:i + 1], k_cache, v_cache,
+                                                   rows_tables[i:i + 1], rows_lens[i:i + 1],
+                                                   0.125) for i in range(len(pick))])
+        # One request with its drafts alone in the step: its run is cut in two (3 kv heads
+        # would leave a thread one task).
+        one_request = cpu_kernel.paged_decode(rows_q[:5], k_cache, v_cache, rows_tables[:5],
+                                              rows_lens[:5], 0.125)
+    finally:
+        torch.set_num_threads(saved)
+    assert torch.equal(together, alone)
+    assert torch.equal(one_request, alone[:5])
+    rows_meta = dataclasses.replace(meta, decode_block_tables=rows_tables,
+                                    decode_seq_lens=rows_lens, num_decodes=len(pick))
+    ref = TorchAttentionBackend._decode(rows_q, k_cache, v_cache, rows_meta, 0.125, 9)
+    assert torch.allclose(together, ref, atol=2e-6, rtol=1e-5)
 
 
 def test_cpu_kernel_refuses_tables_it_would_read_past(cpu_kernel):

@@ -1,8 +1,9 @@
 // Decode attention on CPU, read straight from the paged KV cache.
 //
-// One query token per sequence. Each (sequence, kv head) is one task: its G = H / KVH
-// query heads are scored against the sequence's tokens block by block through the block
-// table, softmaxed, and V is summed the same way. Nothing is gathered or padded: K and V
+// One query token per row (a sequence, or a draft token, which attends as one more row of
+// its request). Each (row, kv head) is scored by its G = H / KVH query heads against the
+// row's tokens block by block through the block table, softmaxed, and V is summed the same
+// way; the rows of one request run as one task per kv head. Nothing is gathered or padded: K and V
 // are read once, in place. The torch backend (shards/model/attention.py) computes the same
 // thing with a gather and SDPA; this replaces only its decode part.
 //
@@ -106,11 +107,34 @@ inline void scores8(const float* q, const C* k, int64_t stride, float scale, flo
 }
 #endif
 
+// Runs of rows that read the same cache: a request's row and its drafts (each attending
+// to one more token than the row before it, through the same block table). Returned as
+// the first row of each run, then `batch`. A run is cut at `most` rows.
+template <typename index_t>
+std::vector<int64_t> same_cache_runs(const index_t* tables, const index_t* seq_lens,
+                                     int64_t batch, int64_t block_size, int64_t max_blocks,
+                                     int64_t most) {
+  std::vector<int64_t> starts{0};
+  for (int64_t b = 1; b < batch; ++b) {
+    const index_t* prev = tables + (b - 1) * max_blocks;
+    const index_t* cur = tables + b * max_blocks;
+    const int64_t blocks = (static_cast<int64_t>(seq_lens[b]) + block_size - 1) / block_size;
+    const bool follows = seq_lens[b] == seq_lens[b - 1] + 1 && b - starts.back() < most &&
+                         std::equal(cur, cur + blocks, prev);
+    if (!follows) starts.push_back(b);
+  }
+  starts.push_back(batch);
+  return starts;
+}
+
 // D is the head size: a compile-time constant lets the compiler keep a row in registers
 // and vectorize the dot products fully (0 = any size, read at run time). A task is one
-// (sequence, kv head); the tasks of one sequence run back to back on one thread, so its
-// blocks are read from memory once and from cache after (reading whole token rows for all
-// heads at once measured slower on long contexts).
+// run of rows that read the same cache (same_cache_runs) and one kv head: its rows run
+// back to back on one thread, so the head's blocks are read from memory once a step and
+// from cache after, where a task per row read a request's blocks once for each of its
+// drafts (benchmarks/NOTES.md 111). Each row's arithmetic is the same whatever run it is
+// in, so a row gives the same bits with and without drafts beside it. (Reading whole
+// token rows for all heads at once measured slower on long contexts.)
 template <int64_t D, typename C, typename index_t>
 void decode_kernel(const float* __restrict__ q, const C* __restrict__ k_cache,
                    const C* __restrict__ v_cache, const index_t* __restrict__ tables,
@@ -121,92 +145,105 @@ void decode_kernel(const float* __restrict__ q, const C* __restrict__ k_cache,
   const int64_t groups = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;  // between slots of one block
   const int64_t block_stride = block_size * token_stride;
-  // Tasks (one sequence's kv head each) are claimed one at a time (claim.h), each thread
-  // with its own scratch.
-  for_each_claimed(batch * num_kv_heads, [&] {
+  // Few runs (one request and its drafts): cut them so that every thread has two tasks.
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> runs = same_cache_runs(tables, seq_lens, batch, block_size, max_blocks,
+                                              batch);
+  const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1;
+  if (num_runs * num_kv_heads < 2 * threads && batch > num_runs) {
+    const int64_t cuts = (2 * threads + num_runs * num_kv_heads - 1) / (num_runs * num_kv_heads);
+    const int64_t most = std::max<int64_t>(1, (batch / num_runs + cuts - 1) / cuts);
+    runs = same_cache_runs(tables, seq_lens, batch, block_size, max_blocks, most);
+  }
+  // Tasks (one run's kv head each) are claimed one at a time (claim.h), each thread with
+  // its own scratch.
+  const int64_t tasks = (static_cast<int64_t>(runs.size()) - 1) * num_kv_heads;
+  for_each_claimed(tasks, [&] {
     return [&, scores = std::vector<float>(),
             acc = std::vector<float>(groups * head_dim)](int64_t task) mutable {
-      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t len = static_cast<int64_t>(seq_lens[b]);
-      const int64_t num_blocks = (len + block_size - 1) / block_size;
-      const index_t* table = tables + b * max_blocks;
-      const float* qb = q + (b * num_heads + h * groups) * head_dim;
-      scores.resize(groups * len);
-      // Scores, block by block: scores[g][t] = q_g . k_t * scale.
-      for (int64_t blk = 0; blk < num_blocks; ++blk) {
-        const C* kb = k_cache + static_cast<int64_t>(table[blk]) * block_stride + h * head_dim;
-        const int64_t first = blk * block_size, n = std::min(block_size, len - first);
-        if (blk + 1 < num_blocks)
-          prefetch_block(k_cache + static_cast<int64_t>(table[blk + 1]) * block_stride +
-                             h * head_dim, block_size, token_stride, head_dim);
-        int64_t s = 0;
-#if defined(RAYGEN_ATTENTION_AVX2)
-        if constexpr (D % 8 == 0 && D > 0)
-          for (; s + 8 <= n; s += 8)
-            for (int64_t g = 0; g < groups; ++g)
-              scores8<D>(qb + g * head_dim, kb + s * token_stride, token_stride, scale,
-                         scores.data() + g * len + first + s);
-#endif
-        for (; s < n; ++s) {
-          const C* k = kb + s * token_stride;
-          for (int64_t g = 0; g < groups; ++g) {
-            const float* qg = qb + g * head_dim;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * widen(k[d]);
-            scores[g * len + first + s] = dot * scale;
-          }
-        }
-      }
-      for (int64_t g = 0; g < groups; ++g) {
-        // Softmax of this query head's scores (the 1 / sum is applied at the end).
-        float* sc = scores.data() + g * len;
-        const float sum = exp_minus_max(sc, len);
-        float* o = out + (b * num_heads + h * groups + g) * head_dim;
-        const float inv = 1.f / sum;
-#if defined(RAYGEN_ATTENTION_AVX2)
-        if constexpr (D % 64 == 0 && D > 0) {
-          // Weighted sum of V, 64 columns at a time in 8 registers (the sums in memory
-          // waited on a store and a load per token).
-          for (int64_t c = 0; c < D; c += 64) {
-            __m256 a[8];
-            for (auto& x : a) x = _mm256_setzero_ps();
-            for (int64_t blk = 0; blk < num_blocks; ++blk) {
-              const C* vb = v_cache + static_cast<int64_t>(table[blk]) * block_stride +
-                            h * head_dim + c;
-              const int64_t first = blk * block_size, n = std::min(block_size, len - first);
-              if (g == 0 && c == 0 && blk + 1 < num_blocks)
-                prefetch_block(v_cache + static_cast<int64_t>(table[blk + 1]) * block_stride +
-                                   h * head_dim, block_size, token_stride, head_dim);
-              for (int64_t s = 0; s < n; ++s) {
-                const __m256 p = _mm256_set1_ps(sc[first + s]);
-                const C* v = vb + s * token_stride;
-                for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(p, load8(v + 8 * i), a[i]);
-              }
-            }
-            for (int i = 0; i < 8; ++i)
-              _mm256_storeu_ps(o + c + 8 * i, _mm256_mul_ps(a[i], _mm256_set1_ps(inv)));
-          }
-          continue;
-        }
-#endif
-        // Weighted sum of V, block by block.
-        float* a = acc.data() + g * head_dim;
-        std::fill(a, a + head_dim, 0.f);
+      const int64_t run = task / num_kv_heads, h = task % num_kv_heads;
+      for (int64_t b = runs[run]; b < runs[run + 1]; ++b) {
+        const int64_t len = static_cast<int64_t>(seq_lens[b]);
+        const int64_t num_blocks = (len + block_size - 1) / block_size;
+        const index_t* table = tables + b * max_blocks;
+        const float* qb = q + (b * num_heads + h * groups) * head_dim;
+        scores.resize(groups * len);
+        // Scores, block by block: scores[g][t] = q_g . k_t * scale.
         for (int64_t blk = 0; blk < num_blocks; ++blk) {
-          const C* vb = v_cache + static_cast<int64_t>(table[blk]) * block_stride + h * head_dim;
+          const C* kb = k_cache + static_cast<int64_t>(table[blk]) * block_stride + h * head_dim;
           const int64_t first = blk * block_size, n = std::min(block_size, len - first);
-          if (g == 0 && blk + 1 < num_blocks)  // the next query heads find it in cache
-            prefetch_block(v_cache + static_cast<int64_t>(table[blk + 1]) * block_stride +
+          if (blk + 1 < num_blocks)
+            prefetch_block(k_cache + static_cast<int64_t>(table[blk + 1]) * block_stride +
                                h * head_dim, block_size, token_stride, head_dim);
-          for (int64_t s = 0; s < n; ++s) {
-            const C* v = vb + s * token_stride;
-            const float p = sc[first + s];
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * widen(v[d]);
+          int64_t s = 0;
+  #if defined(RAYGEN_ATTENTION_AVX2)
+          if constexpr (D % 8 == 0 && D > 0)
+            for (; s + 8 <= n; s += 8)
+              for (int64_t g = 0; g < groups; ++g)
+                scores8<D>(qb + g * head_dim, kb + s * token_stride, token_stride, scale,
+                           scores.data() + g * len + first + s);
+  #endif
+          for (; s < n; ++s) {
+            const C* k = kb + s * token_stride;
+            for (int64_t g = 0; g < groups; ++g) {
+              const float* qg = qb + g * head_dim;
+              float dot = 0.f;
+  #pragma omp simd reduction(+ : dot)
+              for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * widen(k[d]);
+              scores[g * len + first + s] = dot * scale;
+            }
           }
         }
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = a[d] * inv;
+        for (int64_t g = 0; g < groups; ++g) {
+          // Softmax of this query head's scores (the 1 / sum is applied at the end).
+          float* sc = scores.data() + g * len;
+          const float sum = exp_minus_max(sc, len);
+          float* o = out + (b * num_heads + h * groups + g) * head_dim;
+          const float inv = 1.f / sum;
+  #if defined(RAYGEN_ATTENTION_AVX2)
+          if constexpr (D % 64 == 0 && D > 0) {
+            // Weighted sum of V, 64 columns at a time in 8 registers (the sums in memory
+            // waited on a store and a load per token).
+            for (int64_t c = 0; c < D; c += 64) {
+              __m256 a[8];
+              for (auto& x : a) x = _mm256_setzero_ps();
+              for (int64_t blk = 0; blk < num_blocks; ++blk) {
+                const C* vb = v_cache + static_cast<int64_t>(table[blk]) * block_stride +
+                              h * head_dim + c;
+                const int64_t first = blk * block_size, n = std::min(block_size, len - first);
+                if (g == 0 && c == 0 && blk + 1 < num_blocks)
+                  prefetch_block(v_cache + static_cast<int64_t>(table[blk + 1]) * block_stride +
+                                     h * head_dim, block_size, token_stride, head_dim);
+                for (int64_t s = 0; s < n; ++s) {
+                  const __m256 p = _mm256_set1_ps(sc[first + s]);
+                  const C* v = vb + s * token_stride;
+                  for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(p, load8(v + 8 * i), a[i]);
+                }
+              }
+              for (int i = 0; i < 8; ++i)
+                _mm256_storeu_ps(o + c + 8 * i, _mm256_mul_ps(a[i], _mm256_set1_ps(inv)));
+            }
+            continue;
+          }
+  #endif
+          // Weighted sum of V, block by block.
+          float* a = acc.data() + g * head_dim;
+          std::fill(a, a + head_dim, 0.f);
+          for (int64_t blk = 0; blk < num_blocks; ++blk) {
+            const C* vb = v_cache + static_cast<int64_t>(table[blk]) * block_stride + h * head_dim;
+            const int64_t first = blk * block_size, n = std::min(block_size, len - first);
+            if (g == 0 && blk + 1 < num_blocks)  // the next query heads find it in cache
+              prefetch_block(v_cache + static_cast<int64_t>(table[blk + 1]) * block_stride +
+                                 h * head_dim, block_size, token_stride, head_dim);
+            for (int64_t s = 0; s < n; ++s) {
+              const C* v = vb + s * token_stride;
+              const float p = sc[first + s];
+  #pragma omp simd
+              for (int64_t d = 0; d < head_dim; ++d) a[d] += p * widen(v[d]);
+            }
+          }
+          for (int64_t d = 0; d < head_dim; ++d) o[d] = a[d] * inv;
+        }
       }
     };
   });
