@@ -3,8 +3,8 @@
 // One query token per row (a sequence, or a draft token, which attends as one more row of
 // its request). Each (row, kv head) is scored by its G = H / KVH query heads against the
 // row's tokens block by block through the block table, softmaxed, and V is summed the same
-// way; the rows of one request run as one task per kv head. Nothing is gathered or padded: K and V
-// are read once, in place. The torch backend (shards/model/attention.py) computes the same
+// way; the rows of one request run as one task per kv head. Nothing is gathered or padded:
+// K and V are read once, in place. The torch backend (shards/model/attention.py) computes the same
 // thing with a gather and SDPA; this replaces only its decode part.
 //
 // The cache holds float32, or float16 (`kv_cache_dtype=float16`: half the bytes a step
