@@ -166,6 +166,71 @@ inline __m256 group_dot(const float* x, const float* xsum, int64_t nb, const uin
   return acc;
 }
 
+// The width a tile runs at: one group of 8 output rows in an AVX2 vector, or (AVX-512)
+// two groups side by side in a 512-bit vector, group a's 8 lanes then group b's. Each lane
+// takes the same operations either way, so both widths give the same bits.
+struct OneGroup {
+  using F = __m256;
+  using I = __m256i;
+  static constexpr bool kPair = false;
+  static F zero() { return _mm256_setzero_ps(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+  static I mask(int v) { return _mm256_set1_epi32(v); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I shift(I v, int n) { return _mm256_srli_epi32(v, n); }
+  // 32 bytes of quants of the group (b: where the second group's would be; not read).
+  static I quants(const uint8_t* a, const uint8_t*) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  }
+  // 8 fp16 scales of the group, as float32.
+  static F halves(const uint8_t* a, const uint8_t*) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a)));
+  }
+  // 8 int8 quants of one position, as float32.
+  static F bytes8(const uint8_t* a, const uint8_t*) {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a))));
+  }
+};
+
+#if defined(__AVX512F__)
+#define RAYGEN_LANES_PAIRS 1
+
+struct TwoGroups {
+  using F = __m512;
+  using I = __m512i;
+  static constexpr bool kPair = true;
+  static F zero() { return _mm512_setzero_ps(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
+  static I mask(int v) { return _mm512_set1_epi32(v); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I shift(I v, int n) { return _mm512_srli_epi32(v, n); }
+  static I quants(const uint8_t* a, const uint8_t* b) {
+    return _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+  }
+  static F halves(const uint8_t* a, const uint8_t* b) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
+  }
+  static F bytes8(const uint8_t* a, const uint8_t* b) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_unpacklo_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(a)),
+                           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)))));
+  }
+};
+#endif
+
 // The same for a tile of MR rows of x (2-8; 1 only as the last tile of a bigger step): each
 // vector of 8 rows' weights is dequantized once (w = d q + m, one FMA, as the block
 // kernel's tiles do) and used for every row of x, with A accumulators per row so that
@@ -173,130 +238,60 @@ inline __m256 group_dot(const float* x, const float* xsum, int64_t nb, const uin
 // and two issue a cycle, so 8 keep the units busy. MR x A accumulators (8 at 2, 4 and 8
 // rows, 10 at 5, 6-7 at 3, 6 and 7) and d, m, the mask, the quants and a weight share 16
 // vector registers: five rows with two each took 0.86-0.92x the time of one each, six
-// rows' twelve spill and lose (benchmarks/NOTES.md 82).
-template <int64_t T, int MR>
+// rows' twelve spill and lose (benchmarks/NOTES.md 82). With W = TwoGroups, groups `w` and
+// `w2` at once in half the instructions (quantized weights only; lanes_product says when).
+template <int64_t T, int MR, typename W = OneGroup>
 inline void group_dot_rows(const float* x, int64_t K, int64_t nb, const uint8_t* w,
-                           __m256 (&y)[MR]) {
+                           typename W::F (&y)[MR], const uint8_t* w2 = nullptr) {
+  static_assert(!(W::kPair && is_float(T)), "float weights take one group at a time");
   constexpr int64_t bytes = lane_block_bytes(T);
   constexpr int64_t quants = T == kQ8_0 ? 256 : 128;
   constexpr int A = MR <= 2 ? 4 : MR <= 5 ? 2 : 1;
-  __m256 acc[MR][A];
+  typename W::F acc[MR][A];
   for (auto& row : acc)
-    for (auto& a : row) a = _mm256_setzero_ps();
+    for (auto& a : row) a = W::zero();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * bytes;
+    const uint8_t* blk2 = W::kPair ? w2 + b * bytes : blk;  // one group: its own, unread
     prefetch_block(blk + blocks_ahead<T>() * bytes, bytes);
+    if constexpr (W::kPair) prefetch_block(blk2 + blocks_ahead<T>() * bytes, bytes);
     const float* xb = x + b * kBlock;
-    const auto use = [&](int k, __m256 wk) {
+    const auto use = [&](int k, typename W::F wk) {
       for (int r = 0; r < MR; ++r)
-        acc[r][k % A] = _mm256_fmadd_ps(_mm256_broadcast_ss(xb + r * K + k), wk, acc[r][k % A]);
+        acc[r][k % A] = W::fmadd(W::set1(xb[r * K + k]), wk, acc[r][k % A]);
     };
     if constexpr (is_float(T)) {
 #pragma GCC unroll 32
       for (int k = 0; k < 32; ++k) use(k, float_lanes<T>(blk, k));
       continue;
-    }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + quants)));
-    const __m256 m = T == kQ4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(
-                                      reinterpret_cast<const __m128i*>(blk + quants + 16)))
-                                : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));  // Q4_0
-    if constexpr (T == kQ8_0) {
-#pragma GCC unroll 32
-      for (int k = 0; k < 32; ++k) {
-        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 8 * k));
-        use(k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d));
-      }
     } else {
-      const __m256i mask = _mm256_set1_epi32(0xF);
-      for (int g = 0; g < 4; ++g) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32 * g));
+      const auto d = W::halves(blk + quants, blk2 + quants);
+      const auto m = T == kQ4_1 ? W::halves(blk + quants + 16, blk2 + quants + 16)
+                                : W::mul(d, W::set1(-8.0f));  // Q4_0
+      if constexpr (T == kQ8_0) {
+#pragma GCC unroll 32
+        for (int k = 0; k < 32; ++k)
+          use(k, W::mul(W::bytes8(blk + 8 * k, blk2 + 8 * k), d));
+      } else {
+        const auto mask = W::mask(0xF);
+        for (int g = 0; g < 4; ++g) {
+          const auto v = W::quants(blk + 32 * g, blk2 + 32 * g);
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-          const __m256i q = j == 0 ? _mm256_and_si256(v, mask)
-                            : j == 7 ? _mm256_srli_epi32(v, 28)
-                                     : _mm256_and_si256(_mm256_srli_epi32(v, 4 * j), mask);
-          use(8 * g + j, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
+          for (int j = 0; j < 8; ++j) {
+            const auto q = j == 0 ? W::and_(v, mask)
+                           : j == 7 ? W::shift(v, 28)
+                                    : W::and_(W::shift(v, 4 * j), mask);
+            use(8 * g + j, W::fmadd(W::to_float(q), d, m));
+          }
         }
       }
     }
   }
   for (int r = 0; r < MR; ++r) {
     y[r] = acc[r][0];
-    for (int a = 1; a < A; ++a) y[r] = _mm256_add_ps(y[r], acc[r][a]);
+    for (int a = 1; a < A; ++a) y[r] = W::add(y[r], acc[r][a]);
   }
 }
-
-#if defined(__AVX512F__)
-#define RAYGEN_LANES_PAIRS 1
-
-// 8 lanes of group a's block and the same 8 of group b's, in one 512-bit vector.
-inline __m512i pair_load(const uint8_t* a, const uint8_t* b) {
-  return _mm512_inserti64x4(
-      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))),
-      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
-}
-
-inline __m512 pair_halves(const uint8_t* a, const uint8_t* b) {  // 8 fp16 of each
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(
-      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
-      _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1));
-}
-
-// group_dot_rows for two groups at once (16 output rows, 8 of a and 8 of b) in 512-bit
-// vectors: each lane does what group_dot_rows does in its lane (the same dequantization,
-// the same FMAs into the same accumulators in the same order), so the products are the
-// same bits, in half the instructions. Quantized weights, steps of 2-8 rows.
-template <int64_t T, int MR>
-inline void pair_dot_rows(const float* x, int64_t K, int64_t nb, const uint8_t* wa,
-                          const uint8_t* wb, __m512 (&y)[MR]) {
-  static_assert(!is_float(T), "quantized weights only");
-  constexpr int64_t bytes = lane_block_bytes(T);
-  constexpr int64_t quants = T == kQ8_0 ? 256 : 128;
-  constexpr int A = MR <= 2 ? 4 : MR <= 5 ? 2 : 1;
-  __m512 acc[MR][A];
-  for (auto& row : acc)
-    for (auto& a : row) a = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* ba = wa + b * bytes;
-    const uint8_t* bb = wb + b * bytes;
-    prefetch_block(ba + blocks_ahead<T>() * bytes, bytes);
-    prefetch_block(bb + blocks_ahead<T>() * bytes, bytes);
-    const float* xb = x + b * kBlock;
-    const auto use = [&](int k, __m512 wk) {
-      for (int r = 0; r < MR; ++r)
-        acc[r][k % A] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * K + k]), wk, acc[r][k % A]);
-    };
-    const __m512 d = pair_halves(ba + quants, bb + quants);
-    const __m512 m = T == kQ4_1 ? pair_halves(ba + quants + 16, bb + quants + 16)
-                                : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));  // Q4_0
-    if constexpr (T == kQ8_0) {
-#pragma GCC unroll 32
-      for (int k = 0; k < 32; ++k) {
-        const __m128i q = _mm_unpacklo_epi64(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(ba + 8 * k)),
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bb + 8 * k)));
-        use(k, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d));
-      }
-    } else {
-      const __m512i mask = _mm512_set1_epi32(0xF);
-      for (int g = 0; g < 4; ++g) {
-        const __m512i v = pair_load(ba + 32 * g, bb + 32 * g);
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-          const __m512i q = j == 0 ? _mm512_and_si512(v, mask)
-                            : j == 7 ? _mm512_srli_epi32(v, 28)
-                                     : _mm512_and_si512(_mm512_srli_epi32(v, 4 * j), mask);
-          use(8 * g + j, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, m));
-        }
-      }
-    }
-  }
-  for (int r = 0; r < MR; ++r) {
-    y[r] = acc[r][0];
-    for (int a = 1; a < A; ++a) y[r] = _mm512_add_ps(y[r], acc[r][a]);
-  }
-}
-#endif
 
 // Rows r0 .. r0 + MR of out for the groups of one task.
 template <int64_t T, int MR>
@@ -310,7 +305,8 @@ void lanes_tile(const float* x, int64_t K, const float* xsum, const uint8_t* w, 
   if constexpr (!is_float(T) && MR >= 2) {
     for (; pairs && g + 2 <= g1; g += 2) {
       __m512 y[MR];
-      pair_dot_rows<T, MR>(x, K, nb, w + g * group_bytes, w + (g + 1) * group_bytes, y);
+      group_dot_rows<T, MR, TwoGroups>(x, K, nb, w + g * group_bytes, y,
+                                       w + (g + 1) * group_bytes);
       const __m512 bv = bias ? _mm512_loadu_ps(bias + g * kLanes) : _mm512_setzero_ps();
       for (int r = 0; r < MR; ++r)
         _mm512_storeu_ps(out + r * N + g * kLanes, _mm512_add_ps(y[r], bv));
