@@ -22,7 +22,8 @@
 //
 // Built for AVX-512 too, where it is AVX2 code beside the 16-wide block tiles: on a Zen 4
 // EPYC (AVX-512 in two halves) the same products took 0.56x the tiles' time in Q4_1 and
-// 0.61x in bfloat16 at 1-2 rows, 0.55x and 0.94x at 8 (benchmarks/NOTES.md 95).
+// 0.61x in bfloat16 at 1-2 rows, 0.55x and 0.94x at 8 (benchmarks/NOTES.md 95). There,
+// steps of several rows run two groups to a 512-bit vector (TwoGroups), the same bits.
 //
 // Float weights take the same layout with no scales: bfloat16 (the upper half of a float32,
 // shifted into place; positions in pairs, which vdpbf16ps multiplies where steps of several
