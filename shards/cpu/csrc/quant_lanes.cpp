@@ -12,7 +12,8 @@
 //   Q4: a 32-bit lane holds 8 consecutive nibbles of its row. With one row of x, nibble j
 //       is taken with one AND (in place: it converts to q * 16^j, exactly) and summed into
 //       accumulator j, scaled back by 16^-j once per block (exact: a power of two); with
-//       more rows, it is shifted down, dequantized once (w = d q + m) and used for each.
+//       2-7 rows on AVX-512 builds, the same against x scaled by 16^-j (group_qdot_rows);
+//       with more, it is shifted down, dequantized once (w = d q + m) and used for each.
 //   Q8: 8 rows' int8 quants of one position are 8 consecutive bytes, widened in one op.
 // One row: per 8 weights a mask, a conversion, an FMA and a broadcast; nothing per row per
 // block. The same arithmetic as the block kernel (d (x . q) + m sum(x) per block, or the
@@ -41,6 +42,8 @@
 
 #include "claim.h"
 #include "quant.h"
+
+#include <cmath>
 
 namespace {
 
@@ -294,10 +297,75 @@ inline void group_dot_rows(const float* x, int64_t K, int64_t nb, const uint8_t*
   }
 }
 
+// The same for quantized weights by another arithmetic, AVX-512 builds' tiles of 2-7 rows:
+// x . q per block and row, then d (x . q) + m sum(x) into the row's sum, as the one-row
+// group_dot does. No weight is dequantized: a position costs its nibble's AND, one
+// conversion and an FMA per row, where group_dot_rows adds a shift and the dequantizing
+// FMA. The nibble j of a lane is taken in place (q 16^j, exact), so x comes scaled by
+// 16^-j (`xs`, exact: a power of two); `xsum` holds x's sum per row and block. Each row
+// holds a sum across blocks beside its block's accumulators: 2 x MR + 4 vectors, which
+// fit AVX-512's 32 registers and not AVX2's 16. SmolLM2's 120 Q4_1 layer products took
+// 0.82x the time at 2 rows, 0.94-0.96x at 3-6 and the Q8_0 LM head 0.89-0.98x; at 8 rows
+// and more (pairs) they took 1.02-1.06x, so those keep group_dot_rows (benchmarks/NOTES.md
+// 112). Rounded otherwise than the dequantized weights' product, as the one-row step is.
+template <int64_t T, int MR, typename W = OneGroup>
+inline void group_qdot_rows(const float* xs, const float* xsum, int64_t K, int64_t nb,
+                             const uint8_t* w, typename W::F (&y)[MR],
+                             const uint8_t* w2 = nullptr) {
+  constexpr int64_t bytes = lane_block_bytes(T);
+  constexpr int64_t quants = T == kQ8_0 ? 256 : 128;
+  constexpr int A = MR <= 2 ? 4 : MR <= 5 ? 2 : 1;
+  typename W::F total[MR];
+  for (auto& t : total) t = W::zero();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * bytes;
+    const uint8_t* blk2 = W::kPair ? w2 + b * bytes : blk;
+    prefetch_block(blk + blocks_ahead<T>() * bytes, bytes);
+    if constexpr (W::kPair) prefetch_block(blk2 + blocks_ahead<T>() * bytes, bytes);
+    const float* xb = xs + b * kBlock;
+    typename W::F acc[MR][A];
+    for (auto& row : acc)
+      for (auto& a : row) a = W::zero();
+    const auto use = [&](int k, typename W::F qk) {
+      for (int r = 0; r < MR; ++r)
+        acc[r][k % A] = W::fmadd(W::set1(xb[r * K + k]), qk, acc[r][k % A]);
+    };
+    if constexpr (T == kQ8_0) {
+#pragma GCC unroll 32
+      for (int k = 0; k < 32; ++k) use(k, W::bytes8(blk + 8 * k, blk2 + 8 * k));
+    } else {
+      for (int g = 0; g < 4; ++g) {
+        const auto v = W::quants(blk + 32 * g, blk2 + 32 * g);
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const auto q = j == 7 ? W::shift(v, 28) : W::and_(v, W::mask(0xF << (4 * j)));
+          use(8 * g + j, W::to_float(q));
+        }
+      }
+    }
+    const auto d = W::halves(blk + quants, blk2 + quants);
+    for (int r = 0; r < MR; ++r) {
+      auto p = acc[r][0];
+      for (int a = 1; a < A; ++a) p = W::add(p, acc[r][a]);
+      const float s = xsum[r * nb + b];
+      if constexpr (T == kQ4_1) {
+        const auto m = W::halves(blk + quants + 16, blk2 + quants + 16);
+        total[r] = W::add(total[r], W::fmadd(d, p, W::mul(m, W::set1(s))));
+      } else if constexpr (T == kQ4_0) {
+        total[r] = W::add(total[r], W::mul(d, W::add(p, W::set1(-8.0f * s))));
+      } else {
+        total[r] = W::fmadd(d, p, total[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) y[r] = total[r];
+}
+
 // Rows r0 .. r0 + MR of out for the groups of one task.
 template <int64_t T, int MR>
 void lanes_tile(const float* x, int64_t K, const float* xsum, const uint8_t* w, int64_t N,
-                const float* bias, float* out, int64_t g0, int64_t g1, bool pairs) {
+                const float* bias, float* out, int64_t g0, int64_t g1, bool pairs,
+                const float* xs = nullptr, const float* xsums = nullptr) {
   const int64_t nb = K / kBlock, group_bytes = nb * lane_block_bytes(T);
   int64_t g = g0;
 #if defined(RAYGEN_LANES_PAIRS)
@@ -306,8 +374,12 @@ void lanes_tile(const float* x, int64_t K, const float* xsum, const uint8_t* w, 
   if constexpr (!is_float(T) && MR >= 2) {
     for (; pairs && g + 2 <= g1; g += 2) {
       __m512 y[MR];
-      group_dot_rows<T, MR, TwoGroups>(x, K, nb, w + g * group_bytes, y,
-                                       w + (g + 1) * group_bytes);
+      if (xs != nullptr)
+        group_qdot_rows<T, MR, TwoGroups>(xs, xsums, K, nb, w + g * group_bytes, y,
+                                           w + (g + 1) * group_bytes);
+      else
+        group_dot_rows<T, MR, TwoGroups>(x, K, nb, w + g * group_bytes, y,
+                                         w + (g + 1) * group_bytes);
       const __m512 bv = bias ? _mm512_loadu_ps(bias + g * kLanes) : _mm512_setzero_ps();
       for (int r = 0; r < MR; ++r)
         _mm512_storeu_ps(out + r * N + g * kLanes, _mm512_add_ps(y[r], bv));
@@ -321,6 +393,9 @@ void lanes_tile(const float* x, int64_t K, const float* xsum, const uint8_t* w, 
         y[0] = group_dot<T>(x, xsum, nb, w + g * group_bytes);
       else  // the last tile of a bigger step (57 = 7 x 8 + 1)
         group_dot_rows<T, 1>(x, K, nb, w + g * group_bytes, y);
+    } else if constexpr (!is_float(T)) {
+      if (xs != nullptr) group_qdot_rows<T, MR>(xs, xsums, K, nb, w + g * group_bytes, y);
+      else group_dot_rows<T, MR>(x, K, nb, w + g * group_bytes, y);
     } else {
       group_dot_rows<T, MR>(x, K, nb, w + g * group_bytes, y);
     }
@@ -358,9 +433,32 @@ void lanes_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
   // the time at 2-16 rows), Q4 from 8 (0.83-0.96x at 8-16 rows; at 2-6, bound by two
   // streams of weights rather than by instructions, 1.07-1.12x: benchmarks/NOTES.md 111).
   const bool pairs = T == kQ8_0 || M >= 8;
+  // Steps of 2-7 rows on AVX-512 builds: x . q per block (group_qdot_rows).
+#if defined(RAYGEN_LANES_PAIRS)
+  const bool xq = !is_float(T) && M > 1 && M < 8;
+#else
+  const bool xq = false;
+#endif
+  std::vector<float> xs(xq ? M * K : 0), xsums(xq ? M * nb : 0);
+  if (xq) {  // x scaled by 16^-j at nibble j (Q4), and its sums per block
+    float scale[8];
+    for (int j = 0; j < 8; ++j) scale[j] = T == kQ8_0 || j == 7 ? 1.0f : std::ldexp(1.0f, -4 * j);
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xr = x + r * K + b * kBlock;
+        float* o = xs.data() + r * K + b * kBlock;
+        float sum = 0.0f;
+        for (int k = 0; k < kBlock; ++k) {
+          sum += xr[k];
+          o[k] = xr[k] * scale[k % 8];
+        }
+        xsums[r * nb + b] = sum;
+      }
+  }
   over_tiles(M, N, [&](auto mr, int64_t r, int64_t g0, int64_t g1) {
     lanes_tile<T, decltype(mr)::value>(x + r * K, K, one_row_sums, w, N, bias, out + r * N, g0,
-                                       g1, pairs);
+                                       g1, pairs, xq ? xs.data() + r * K : nullptr,
+                                       xq ? xsums.data() + r * nb : nullptr);
   });
 }
 
