@@ -208,6 +208,42 @@ def test_cpu_kernel_rows_of_one_request_give_the_bits_they_give_alone(cpu_kernel
     assert torch.allclose(together, ref, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (8, 1), (4, 4)])
+def test_cpu_kernel_prompt_chunks_as_rows_equal_the_torch_path(cpu_kernel, threads, num_heads,
+                                                               num_kv_heads):
+    """Prompt chunks given as decode rows (one a token, each one further): runs of 32 rows
+    and more go by tiles of queries against the run's keys copied once; they equal the
+    torch path, beside shorter runs and plain decode rows, with and without cached tokens
+    before the chunk, and with tiles of queries left partly empty (9 heads a kv head...)."""
+    # Chunks: 40 tokens from the start, 75 after 300 cached, 31 (under the tiles' 32) and
+    # 512 (the longest that comes as rows), with two decode rows between them.
+    chunks = [(0, 40), (300, 75), (10, 31), (0, 512)]
+    lens = [n + c for c, n in chunks] + [97, 5]
+    q, k_cache, v_cache, meta = _scattered_decode_batch(lens, num_heads, num_kv_heads, 64, 16,
+                                                        torch.long)
+    tables = meta.decode_block_tables
+    picks, row_lens = [], []
+    for i, (cached, n) in enumerate(chunks):
+        picks += [i] * n
+        row_lens += [cached + j + 1 for j in range(n)]
+    picks += [4, 5]
+    row_lens += [97, 5]
+    rows_tables = tables[picks]
+    rows_lens = torch.tensor(row_lens)
+    rows_q = torch.randn(len(picks), num_heads, 64, generator=torch.Generator().manual_seed(2))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_kernel.paged_decode(rows_q, k_cache, v_cache, rows_tables, rows_lens, 0.125)
+    finally:
+        torch.set_num_threads(saved)
+    rows_meta = dataclasses.replace(meta, decode_block_tables=rows_tables,
+                                    decode_seq_lens=rows_lens, num_decodes=len(picks))
+    ref = TorchAttentionBackend._decode(rows_q, k_cache, v_cache, rows_meta, 0.125, num_heads)
+    assert torch.allclose(out, ref, atol=2e-6, rtol=1e-5), (out - ref).abs().max()
+
+
 def test_cpu_kernel_refuses_tables_it_would_read_past(cpu_kernel):
     q, k_cache, v_cache, meta = _scattered_decode_batch([20, 40], 4, 2, 16, 16, torch.long)
     tables, lens = meta.decode_block_tables, meta.decode_seq_lens
