@@ -20,8 +20,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
