@@ -180,6 +180,16 @@ inline void with_queries(int n, Run&& run) {
   }
 }
 
+// Where kv head h of each of a row's first `tokens` tokens starts in the cache.
+template <typename index_t>
+void token_offsets(const index_t* table, int64_t tokens, int64_t block_size,
+                   int64_t token_stride, int64_t h, std::vector<int64_t>& out) {
+  out.resize(tokens);
+  for (int64_t t = 0; t < tokens; ++t)
+    out[t] = (static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size) *
+                 token_stride + h * 64;
+}
+
 // Scratch of one thread for run_tiles.
 struct TileScratch {
   std::vector<float> kt, scores;
@@ -195,10 +205,8 @@ void run_tiles(const float* q, const float* k_cache, const float* v_cache, const
   const int64_t tokens = static_cast<int64_t>(seq_lens[b1 - 1]);  // the run's longest
   const int64_t chunks = (tokens + 15) / 16, padded = chunks * 16;
   s.kt.assign(64 * padded, 0.0f);
-  s.slots.resize(tokens);
+  token_offsets(table, tokens, block_size, token_stride, h, s.slots);
   for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-    s.slots[t] = slot * token_stride + h * 64;
     const float* k = k_cache + s.slots[t];
     for (int d = 0; d < 64; ++d) s.kt[d * padded + t] = k[d];
   }
@@ -352,10 +360,7 @@ void decode_kernel(const float* __restrict__ q, const C* __restrict__ k_cache,
               ps[g] = sc;
               os[g] = out + (b * num_heads + h * groups + g) * head_dim;
             }
-            scratch.slots.resize(len);
-            for (int64_t t = 0; t < len; ++t)
-              scratch.slots[t] = (static_cast<int64_t>(table[t / block_size]) * block_size +
-                                  t % block_size) * token_stride + h * head_dim;
+            token_offsets(table, len, block_size, token_stride, h, scratch.slots);
             with_queries(static_cast<int>(groups), [&](auto nq) {
               value_tile<decltype(nq)::value>(ps, v_cache, scratch.slots.data(), len, os, inv);
             });

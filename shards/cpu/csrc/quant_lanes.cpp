@@ -424,11 +424,6 @@ template <int64_t T>
 void lanes_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
                    const float* bias, float* out) {
   const int64_t nb = K / kBlock;
-  // One row: the min term per block (Q4 blocks only; Q8 and float weights have none).
-  std::vector<float> xsum(M == 1 && !is_float(T) ? nb : 0, 0.0f);
-  for (int64_t b = 0; b < static_cast<int64_t>(xsum.size()); ++b)
-    for (int64_t j = 0; j < kBlock; ++j) xsum[b] += x[b * kBlock + j];
-  const float* one_row_sums = M == 1 && !is_float(T) ? xsum.data() : nullptr;
   // Groups in pairs (AVX-512): Q8_0 at 2 rows and more (the LM head's blocks: 0.71-0.91x
   // the time at 2-16 rows), Q4 from 8 (0.83-0.96x at 8-16 rows; at 2-6, bound by two
   // streams of weights rather than by instructions, 1.07-1.12x: benchmarks/NOTES.md 111).
@@ -439,22 +434,22 @@ void lanes_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64
 #else
   const bool xq = false;
 #endif
-  std::vector<float> xs(xq ? M * K : 0), xsums(xq ? M * nb : 0);
-  if (xq) {  // x scaled by 16^-j at nibble j (Q4), and its sums per block
-    float scale[8];
-    for (int j = 0; j < 8; ++j) scale[j] = T == kQ8_0 || j == 7 ? 1.0f : std::ldexp(1.0f, -4 * j);
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t b = 0; b < nb; ++b) {
-        const float* xr = x + r * K + b * kBlock;
-        float* o = xs.data() + r * K + b * kBlock;
-        float sum = 0.0f;
-        for (int k = 0; k < kBlock; ++k) {
-          sum += xr[k];
-          o[k] = xr[k] * scale[k % 8];
-        }
-        xsums[r * nb + b] = sum;
-      }
-  }
+  // x's sum per row and block (the min term: one row's step, and x . q's steps), and for
+  // x . q x scaled by 16^-j at nibble j (Q4).
+  const bool sums = !is_float(T) && (M == 1 || xq);
+  std::vector<float> xs(xq ? M * K : 0), xsums(sums ? M * nb : 0);
+  float scale[8];
+  for (int j = 0; j < 8; ++j) scale[j] = T == kQ8_0 || j == 7 ? 1.0f : std::ldexp(1.0f, -4 * j);
+  for (int64_t r = 0; sums && r < M; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xr = x + r * K + b * kBlock;
+      float sum = 0.0f;
+      for (int k = 0; k < kBlock; ++k) sum += xr[k];
+      xsums[r * nb + b] = sum;
+      if (xq)
+        for (int k = 0; k < kBlock; ++k) xs[r * K + b * kBlock + k] = xr[k] * scale[k % 8];
+    }
+  const float* one_row_sums = M == 1 && sums ? xsums.data() : nullptr;
   over_tiles(M, N, [&](auto mr, int64_t r, int64_t g0, int64_t g1) {
     lanes_tile<T, decltype(mr)::value>(x + r * K, K, one_row_sums, w, N, bias, out + r * N, g0,
                                        g1, pairs, xq ? xs.data() + r * K : nullptr,
