@@ -122,7 +122,15 @@ def _products(linear: _Matmul) -> str:
     dot_rows = (linear.quant_kernels.bf16_dot_min_rows()
                 if linear.quant_type == BF16_KERNEL_TYPE else 0)
     return ("x in float32" + (f", rounded to bfloat16 in steps of {dot_rows} rows or more"
-                              if dot_rows else "") + ", 8 output rows to a vector")
+                              if dot_rows else "") + ", 8 output rows to a vector"
+            + (", steps of 8 rows and more on AMX tiles" if amx_tiles(linear) else ""))
+
+
+def amx_tiles(linear: _Matmul) -> bool:
+    """Whether `linear`'s Q4 blocks in lanes multiply steps of 8 rows and more on AMX tiles
+    (shards/cpu/csrc/quant_amx.cpp: built for a CPU with AMX-BF16, granted by the OS)."""
+    return (linear.quant_lanes and linear.quant_type in (0, 1)
+            and hasattr(linear.quant_kernels, "amx_usable") and linear.quant_kernels.amx_usable())
 
 
 def bf16_block_kernel(attention_backend: str) -> bool:
@@ -189,7 +197,8 @@ class WeightPlan:
         return {"types": self.quant_types, "steps_up_to_rows": self.quant_rows,
                 "steps_up_to_rows_by_linear": self.quant_rows_by_kind,
                 "x": "int8" if self.quant_int8 else "float32",
-                "rows_in_lanes": len(lanes)}
+                "rows_in_lanes": len(lanes),
+                "amx_tiles": any(map(amx_tiles, lanes))}
 
     def _pack(self, choice: str) -> str:
         """Which library multiplies by the weights (layers._Matmul): oneDNN on CPU, on

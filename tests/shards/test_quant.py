@@ -79,6 +79,38 @@ def test_products_in_lanes_equal_the_dequantized_weights(kind, n, threads, rows)
 
 
 @lanes
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize(("n", "threads"), [(48, 1), (96, 2)])  # a last task of one tile; 3
+# Tiles of x of 8, 16, 10 + 10 and 11 + 11 + 11 rows (the last padded with zero rows).
+@pytest.mark.parametrize("rows", [8, 16, 20, 33])
+def test_many_row_q4_products_are_exact_float32_sums(kind, n, threads, rows):
+    """Q4 steps of 8+ rows (on AMX tiles where the CPU has them, shards/cpu/csrc/quant_amx.cpp:
+    x cut into three bfloat16 parts whose sum is x) as close to the dequantized weights'
+    float64 product as float32 sums are; x holds an outlier, as SmolLM2's activations do,
+    which x rounded to bfloat16 alone would carry into every output."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    rng = np.random.default_rng(rows)
+    k = 160  # five blocks
+    blocks = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32), qtype)
+    dequantized = torch.from_numpy(gguf.quants.dequantize(blocks, qtype).reshape(n, k)).double()
+    packed = kernels.pack_quant_lanes(torch.from_numpy(blocks), KERNEL_TYPES[kind], k)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    x[rows // 2, 7] = 300.0
+    x[:, 40] += 1e-3 * torch.arange(rows)  # parts below bfloat16's precision matter
+    bias = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernels.linear_quant_lanes(x, packed, KERNEL_TYPES[kind], n, bias)
+    finally:
+        torch.set_num_threads(saved)
+    want = x.double() @ dequantized.T + bias.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=2e-4)
+    rounded = x.bfloat16().double() @ dequantized.T + bias.double()
+    assert (rounded - want).abs().max() > 100 * (got.double() - want).abs().max()
+
+
+@lanes
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("n", "threads"), [(40, 1), (200, 2)])
 # 2 rows: float32 x for bfloat16 weights; 5 and more: rounded to bfloat16 where the CPU

@@ -56,6 +56,11 @@ constexpr int kMaxTileRows = 8;  // rows of x per pass over the weights
 // bfloat16 weights: steps of at least this many rows multiply x rounded to bfloat16
 // (bf16_dot_product), where a CPU has vdpbf16ps; smaller ones keep float32 x.
 constexpr int64_t kBf16DotRows = 4;
+// Q4 steps of at least this many rows multiply on AMX tiles where the CPU has them
+// (quant_amx.cpp): SmolLM2's 120 Q4_1 layer products on an AMX Xeon took 0.84x the vector
+// tiles' time at 8 rows, 0.64-0.67x at 16, 0.56-0.68x at 64; 0.79-0.96x at 4, where the
+// x . q tiles serve (benchmarks/NOTES.md 114).
+constexpr int64_t kAmxMinRows = 8;
 
 // Bytes of one block of a group of 8 rows: the quants, then 8 fp16 d (and for Q4_1 8 fp16 m);
 // for float32 weights the 32 positions' 8 rows, position by position; for bfloat16 ones the
@@ -628,6 +633,10 @@ at::Tensor linear_quant_lanes(at::Tensor x, at::Tensor lanes, int64_t type, int6
     return out;
   }
 #endif
+  if (M >= kAmxMinRows && amx_q4_lanes_product(type, xc.data_ptr<float>(), M, K,
+                                                lanes.data_ptr<uint8_t>(), out_features, b,
+                                                out.data_ptr<float>()))
+    return out;
 #if defined(RAYGEN_QUANT_LANES)
   const auto run = [&](auto t) {
     if (M > 0)
