@@ -92,8 +92,10 @@ def panels_pay(rows: int, onednn_s: float, panels_s: float) -> bool:
 # blocks for every linear took 0.79-0.93x the time that the float path for the linears
 # whose timing said 0.9-1.0x did; so a tie is enough (NOTES.md 71). 12 and 24: the
 # blocks' lead ends between the powers of two. 6: a one-request step with 4 drafts has 5
-# rows, and the LM head's Q8_0 blocks win there but not at 8 (NOTES.md 99).
-QUANT_TIMED_ROWS = (1, 4, 6, 8, 12, 16, 24, 32)
+# rows, and the LM head's Q8_0 blocks win there but not at 8 (NOTES.md 99). 64-512: prompt
+# chunks, where Q4 blocks on AMX tiles beat the float32 panels (0.64x at 64 rows, 0.76x at
+# 280 on an AMX Xeon, NOTES.md 114); elsewhere the vector tiles lose by 32 and stop there.
+QUANT_TIMED_ROWS = (1, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256, 512)
 QUANT_MAX_RATIO = 1.0
 # bfloat16 weights in raygen's lanes, where oneDNN multiplies bfloat16 too, read the same
 # bytes: they serve steps of up to this many rows at most. With vdpbf16ps they took

@@ -1,7 +1,7 @@
 // Steps of many rows times Q4 weights in rows in lanes (quant_lanes.cpp's layout), on AMX
 // tiles, with float32 x kept exact.
 //
-// A step of 8 rows and more multiplies each weight many times, so the vector products are
+// A step of several rows multiplies each weight several times, so the vector products are
 // bound by their FMAs (16 rows: ~190 GFLOP/s on two cores of an AMX Xeon), not by memory.
 // AMX multiplies bfloat16 16 x 32 by 32 x 16 in one instruction, summing in float32, but x
 // in bfloat16 would move every answer. Here the quants are the bfloat16 numbers (0-15,
@@ -13,7 +13,11 @@
 //
 // A tile is 16 output rows (two lanes groups) by 32 positions (one block): its bfloat16
 // quants are laid out as the tile instruction reads them (position pairs side by side)
-// once per block, and serve every 16 rows of x.
+// once per block, and serve every 16 rows of x. Each row's result is the same whatever
+// rows share its step. SmolLM2's 120 Q4_1 layer products: 0.77-0.89x the vector tiles'
+// time at 5 rows, 0.69-0.73x at 16; 0.64x the float32 panels' at 64, 0.76x at 280; a
+// prefill of the grounded prompts 0.76x (benchmarks/NOTES.md 114). The tile unit itself
+// would take a fifth of that: the rest is laying out quants and scaling each block's sums.
 #include "ops.h"
 
 #include "claim.h"
@@ -34,6 +38,8 @@ namespace {
 #if defined(RAYGEN_AMX)
 
 constexpr int kTile = 16;  // output rows of a tile, and the most rows of x in one
+constexpr int64_t kChunkRows = 64;  // rows of x multiplied at a time
+constexpr int64_t kAhead = 2;  // blocks whose quants are laid out before their tile loads
 
 struct TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
@@ -140,12 +146,15 @@ void amx_q4_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int6
   // A task: two tiles of output rows (four lanes groups), whose products alternate on the
   // tile unit; N % 32 == 16 ends in a task of one (its second tile multiplies zeros).
   // Block b's products are summed into acc while block b + 1's are on the tile unit, and
-  // block b + 2's quants are laid out meanwhile: the vector work waits for no tile.
+  // block b + 1 + kAhead's quants are laid out meanwhile: the vector work waits for no tile.
   for_each_claimed_in_ranges((N + 2 * kTile - 1) / (2 * kTile), [&](int64_t task) {
     thread_local std::vector<float> acc, products;
     acc.assign(padded * 32, 0.0f);
     products.resize(2 * padded * 32);  // two blocks' x . q, rows x the task's 32 columns
-    alignas(64) uint16_t quants[2][2][512];
+    // Quants laid out kAhead blocks before the tile loop loads them: a tile load of what
+    // vector stores have just written waits for them (80 against 40 ns a block in a loop
+    // that loads right after storing, NOTES.md 114).
+    alignas(64) uint16_t quants[kAhead + 1][1024];
     const bool two = (task + 1) * 2 * kTile <= N;
     const uint8_t* g = w + 4 * task * group_bytes;
     // Block b of the task's four lanes groups (a task of one tile reads its two twice).
@@ -155,8 +164,8 @@ void amx_q4_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int6
     const auto lay_out = [&](int64_t b) {
       const uint8_t* q[4];
       blocks(b, q);
-      unpack(q[0], q[1], quants[b & 1][0]);
-      unpack(q[2], q[3], quants[b & 1][1]);
+      unpack(q[0], q[1], quants[b % (kAhead + 1)]);
+      unpack(q[2], q[3], quants[b % (kAhead + 1)] + 512);
     };
     const auto sum_into_acc = [&](int64_t b) {
       const uint8_t* q[4];
@@ -179,10 +188,10 @@ void amx_q4_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int6
       }
     };
     configure_tiles(static_cast<int>(h));
-    lay_out(0);
+    for (int64_t b = 0; b < std::min<int64_t>(kAhead, nb); ++b) lay_out(b);
     for (int64_t b = 0; b < nb; ++b) {
-      _tile_loadd(3, quants[b & 1][0], 64);
-      _tile_loadd(7, quants[b & 1][1], 64);
+      _tile_loadd(3, quants[b % (kAhead + 1)], 64);
+      _tile_loadd(7, quants[b % (kAhead + 1)] + 512, 64);
       const uint16_t* xb = parts.data() + b * 3 * padded * kBlock;
       float* c = products.data() + (b & 1) * padded * 32;
       for (int64_t r = 0; r < padded; r += h) {
@@ -201,7 +210,7 @@ void amx_q4_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int6
         _tile_stored(4, c + 32 * r, 128);
         _tile_stored(5, c + 32 * r + 16, 128);
       }
-      if (b + 1 < nb) lay_out(b + 1);
+      if (b + kAhead < nb) lay_out(b + kAhead);
       if (b > 0) sum_into_acc(b - 1);
     }
     sum_into_acc(nb - 1);
@@ -235,8 +244,15 @@ bool amx_q4_lanes_product(int64_t type, const float* x, int64_t M, int64_t K, co
                           int64_t N, const float* bias, float* out) {
 #if defined(RAYGEN_AMX)
   if ((type != kQ4_0 && type != kQ4_1) || N % kTile != 0 || !amx_usable()) return false;
-  if (type == kQ4_1) amx_q4_product<kQ4_1>(x, M, K, w, N, bias, out);
-  else amx_q4_product<kQ4_0>(x, M, K, w, N, bias, out);
+  // Rows in chunks of up to kChunkRows: each task reads all of its chunk's x parts, which
+  // then stay in the caches (280 rows at once took 0.94x the float32 panels' time, in
+  // chunks 0.6x: benchmarks/NOTES.md 114).
+  const int64_t chunks = (M + kChunkRows - 1) / kChunkRows, rows = (M + chunks - 1) / chunks;
+  for (int64_t r = 0; r < M; r += rows) {
+    const int64_t m = std::min(rows, M - r);
+    if (type == kQ4_1) amx_q4_product<kQ4_1>(x + r * K, m, K, w, N, bias, out + r * N);
+    else amx_q4_product<kQ4_0>(x + r * K, m, K, w, N, bias, out + r * N);
+  }
   return true;
 #else
   (void)type, (void)x, (void)M, (void)K, (void)w, (void)N, (void)bias, (void)out;

@@ -57,10 +57,10 @@ constexpr int kMaxTileRows = 8;  // rows of x per pass over the weights
 // (bf16_dot_product), where a CPU has vdpbf16ps; smaller ones keep float32 x.
 constexpr int64_t kBf16DotRows = 4;
 // Q4 steps of at least this many rows multiply on AMX tiles where the CPU has them
-// (quant_amx.cpp): SmolLM2's 120 Q4_1 layer products on an AMX Xeon took 0.84x the vector
-// tiles' time at 8 rows, 0.64-0.67x at 16, 0.56-0.68x at 64; 0.79-0.96x at 4, where the
-// x . q tiles serve (benchmarks/NOTES.md 114).
-constexpr int64_t kAmxMinRows = 8;
+// (quant_amx.cpp): SmolLM2's 120 Q4_1 layer products on an AMX Xeon took 0.77-0.89x the
+// vector tiles' time at 5 rows, 0.87-0.90x at 8, 0.69-0.73x at 16; 1.01-1.13x at 4 and
+// 1.08-1.20x at 2-3, which keep the x . q tiles (benchmarks/NOTES.md 114).
+constexpr int64_t kAmxMinRows = 5;
 
 // Bytes of one block of a group of 8 rows: the quants, then 8 fp16 d (and for Q4_1 8 fp16 m);
 // for float32 weights the 32 positions' 8 rows, position by position; for bfloat16 ones the
