@@ -93,7 +93,7 @@ def panels_pay(rows: int, onednn_s: float, panels_s: float) -> bool:
 # whose timing said 0.9-1.0x did; so a tie is enough (NOTES.md 71). 12 and 24: the
 # blocks' lead ends between the powers of two. 6: a one-request step with 4 drafts has 5
 # rows, and the LM head's Q8_0 blocks win there but not at 8 (NOTES.md 99). 64-512: prompt
-# chunks, where Q4 blocks on AMX tiles beat the float32 panels (0.64x at 64 rows, 0.76x at
+# chunks, where the blocks on AMX tiles beat the float32 panels (0.64x at 64 rows, 0.76x at
 # 280 on an AMX Xeon, NOTES.md 114); elsewhere the vector tiles lose by 32 and stop there.
 QUANT_TIMED_ROWS = (1, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256, 512)
 QUANT_MAX_RATIO = 1.0
@@ -125,13 +125,13 @@ def _products(linear: _Matmul) -> str:
                 if linear.quant_type == BF16_KERNEL_TYPE else 0)
     return ("x in float32" + (f", rounded to bfloat16 in steps of {dot_rows} rows or more"
                               if dot_rows else "") + ", 8 output rows to a vector"
-            + (", steps of 8 rows and more on AMX tiles" if amx_tiles(linear) else ""))
+            + (", bigger steps on AMX tiles" if amx_tiles(linear) else ""))
 
 
 def amx_tiles(linear: _Matmul) -> bool:
-    """Whether `linear`'s Q4 blocks in lanes multiply steps of 8 rows and more on AMX tiles
+    """Whether `linear`'s GGUF blocks in lanes multiply steps of several rows on AMX tiles
     (shards/cpu/csrc/quant_amx.cpp: built for a CPU with AMX-BF16, granted by the OS)."""
-    return (linear.quant_lanes and linear.quant_type in (0, 1)
+    return (linear.quant_lanes and linear.quant_type in (0, 1, 2)
             and hasattr(linear.quant_kernels, "amx_usable") and linear.quant_kernels.amx_usable())
 
 

@@ -208,5 +208,5 @@ def test_info_says_the_file_s_blocks_are_multiplied_as_they_are(client):
     module = kernels.load()
     lanes = module is not None and module.quant_lanes_supported()
     assert blocks["rows_in_lanes"] == (121 if lanes else 0)
-    # Steps of 8+ rows of the Q4_1 layers on AMX tiles where this CPU has them.
+    # Bigger steps on AMX tiles where this CPU has them.
     assert blocks["amx_tiles"] == (lanes and module.amx_usable())

@@ -79,12 +79,12 @@ def test_products_in_lanes_equal_the_dequantized_weights(kind, n, threads, rows)
 
 
 @lanes
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 @pytest.mark.parametrize(("n", "threads"), [(48, 1), (96, 2)])  # a last task of one tile; 3
 # Tiles of x of 5, 8, 16 and 10 + 10 rows; 65 rows in two chunks, 33 (11 + 11 + 11) and 32.
 @pytest.mark.parametrize("rows", [5, 8, 16, 20, 65])
-def test_many_row_q4_products_are_exact_float32_sums(kind, n, threads, rows):
-    """Q4 steps of 5+ rows (on AMX tiles where the CPU has them, shards/cpu/csrc/quant_amx.cpp:
+def test_many_row_block_products_are_exact_float32_sums(kind, n, threads, rows):
+    """Steps of 5+ rows (on AMX tiles where the CPU has them, shards/cpu/csrc/quant_amx.cpp:
     x cut into three bfloat16 parts whose sum is x) as close to the dequantized weights'
     float64 product as float32 sums are; x holds an outlier, as SmolLM2's activations do,
     which x rounded to bfloat16 alone would carry into every output."""

@@ -1,30 +1,32 @@
-// Steps of many rows times Q4 weights in rows in lanes (quant_lanes.cpp's layout), on AMX
-// tiles, with float32 x kept exact.
+// Steps of several rows times GGUF blocks (Q4_0, Q4_1, Q8_0) in rows in lanes
+// (quant_lanes.cpp's layout), on AMX tiles, with float32 x kept exact.
 //
 // A step of several rows multiplies each weight several times, so the vector products are
 // bound by their FMAs (16 rows: ~190 GFLOP/s on two cores of an AMX Xeon), not by memory.
 // AMX multiplies bfloat16 16 x 32 by 32 x 16 in one instruction, summing in float32, but x
-// in bfloat16 would move every answer. Here the quants are the bfloat16 numbers (0-15,
-// exact) and x is cut into three bfloat16 parts whose sum is x exactly (hi, the float's
-// upper half; mid, the rest's; lo, what is left, 8 bits at most): a part times a quant is
-// exact in float32, so x . q per block is summed from exact products in float32, as the
-// vector kernels sum it, in another order. Then, per block and output row, d (x . q) plus
-// the min term (Q4_1's m, Q4_0's -8 d) times x's block sum, as the one-row kernel does.
+// in bfloat16 would move every answer. Here the quants are the bfloat16 numbers (Q4's 0-15
+// and Q8's -128-127 are exact) and x is cut into three bfloat16 parts whose sum is x
+// exactly (hi, the float's upper half; mid, the rest's; lo, what is left, 8 bits at most):
+// a part times a quant is exact in float32, so x . q per block is summed from exact
+// products in float32, as the vector kernels sum it, in another order. Then, per block and
+// output row, d (x . q) plus the min term (Q4_1's m, Q4_0's -8 d; none for Q8_0) times x's
+// block sum, as the one-row kernel does.
 //
 // A tile is 16 output rows (two lanes groups) by 32 positions (one block): its bfloat16
 // quants are laid out as the tile instruction reads them (position pairs side by side)
 // once per block, and serve every 16 rows of x. Each row's result is the same whatever
 // rows share its step. SmolLM2's 120 Q4_1 layer products: 0.77-0.89x the vector tiles'
-// time at 5 rows, 0.69-0.73x at 16; 0.64x the float32 panels' at 64, 0.76x at 280; a
-// prefill of the grounded prompts 0.76x (benchmarks/NOTES.md 114). The tile unit itself
-// would take a fifth of that: the rest is laying out quants and scaling each block's sums.
+// time at 5 rows, 0.69-0.73x at 16; 0.64x the float32 panels' at 64, 0.76x at 280 (a
+// prefill of the grounded prompts 0.76x); its Q8_0 LM head 0.54x at 16 rows (NOTES.md
+// 114). The tile unit alone would take a fifth of that: the rest is laying out quants and
+// scaling each block's sums.
 #include "ops.h"
 
 #include "claim.h"
 #include "quant.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__) && \
-    defined(__AVX512VBMI__)
+    defined(__AVX512VBMI__) && defined(__AVX512BF16__)
 #define RAYGEN_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -95,6 +97,37 @@ struct Unpack {
   }
 };
 
+// The same for Q8_0 blocks (the LM head's): 8 rows' int8 quants of position k are bytes
+// 8 k .. 8 k + 7 of a group's block, so tile row p's bytes (positions 2p and 2p + 1 of 16
+// rows) are 16 bytes of each group, picked into bfloat16 order and converted (exactly:
+// |q| <= 128).
+struct UnpackQ8 {
+  __m512i gather[2];  // two tile rows (4 j + 2 h and the next) from both groups' 64 bytes
+  UnpackQ8() {
+    alignas(64) uint8_t idx[2][64];
+    for (int h = 0; h < 2; ++h)
+      for (int o = 0; o < 64; ++o) {
+        const int p = 2 * h + o / 32, n = o % 32 / 2, j = o % 2;
+        idx[h][o] = static_cast<uint8_t>(64 * (n / 8) + 16 * p + 8 * j + n % 8);
+      }
+    for (int h = 0; h < 2; ++h) gather[h] = _mm512_load_si512(idx[h]);
+  }
+  void operator()(const uint8_t* q0, const uint8_t* q1, uint16_t* tile) const {
+    for (int j = 0; j < 4; ++j) {
+      const __m512i a = _mm512_loadu_si512(q0 + 64 * j), b = _mm512_loadu_si512(q1 + 64 * j);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i bytes = _mm512_permutex2var_epi8(a, gather[h], b);
+        __m512 f[4];
+        for (int i = 0; i < 4; ++i)
+          f[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(bytes, i)));
+        for (int row = 0; row < 2; ++row)
+          _mm512_store_si512(tile + 32 * (4 * j + 2 * h + row),
+                             (__m512i)_mm512_cvtne2ps_pbh(f[2 * row + 1], f[2 * row]));
+      }
+    }
+  }
+};
+
 // x's rows as three bfloat16 parts (hi, mid, lo: x = hi + mid + lo exactly), block by block
 // and part by part, each `padded` x 32 (rows past M zero: a tile of x is 64-byte rows one
 // after the other); and x's sum per row and block.
@@ -113,7 +146,8 @@ void split_rows(const float* x, int64_t M, int64_t padded, int64_t K, uint16_t* 
         const __m512 part[3] = {hi, mid, lo};
         for (int p = 0; p < 3; ++p)
           _mm256_storeu_si256(
-              reinterpret_cast<__m256i*>(parts + ((k / kBlock * 3 + p) * padded + r) * kBlock + k % kBlock),
+              reinterpret_cast<__m256i*>(parts + ((k / kBlock * 3 + p) * padded + r) * kBlock +
+                                         k % kBlock),
               _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(part[p]), 16)));
         if (k % kBlock == 0) sums[r * nb + k / kBlock] = 0.0f;
         sums[r * nb + k / kBlock] += _mm512_reduce_add_ps(v);
@@ -129,12 +163,14 @@ inline __m512 scales(const uint8_t* q0, const uint8_t* q1, int at) {
 }
 
 template <int64_t T>
-void amx_q4_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
-                    const float* bias, float* out) {
-  static_assert(T == kQ4_0 || T == kQ4_1);
-  static const Unpack unpack;
+void amx_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t N,
+                 const float* bias, float* out) {
+  static_assert(T == kQ4_0 || T == kQ4_1 || T == kQ8_0);
+  static const std::conditional_t<T == kQ8_0, UnpackQ8, Unpack> unpack;
   const int64_t nb = K / kBlock;
-  constexpr int64_t bytes = T == kQ4_1 ? 160 : 144;  // quant_lanes.cpp's lane_block_bytes
+  // quant_lanes.cpp's lane_block_bytes, and where the block's d start in it
+  constexpr int64_t bytes = T == kQ8_0 ? 272 : T == kQ4_1 ? 160 : 144;
+  constexpr int at_d = T == kQ8_0 ? 256 : 128;
   const int64_t group_bytes = nb * bytes;
   // Tiles of x as even as they go (20 rows: 10 + 10), rows past M zero.
   const int64_t tiles = (M + kTile - 1) / kTile, h = (M + tiles - 1) / tiles, padded = tiles * h;
@@ -170,14 +206,24 @@ void amx_q4_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int6
     const auto sum_into_acc = [&](int64_t b) {
       const uint8_t* q[4];
       blocks(b, q);
-      const __m512 d0 = scales(q[0], q[1], 128), d1 = scales(q[2], q[3], 128);
+      const __m512 d0 = scales(q[0], q[1], at_d), d1 = scales(q[2], q[3], at_d);
+      const float* c = products.data() + (b & 1) * padded * 32;
+      if constexpr (T == kQ8_0) {  // no min term
+        for (int64_t r = 0; r < M; ++r) {
+          float* a = acc.data() + 32 * r;
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(d0, _mm512_loadu_ps(c + 32 * r), _mm512_loadu_ps(a)));
+          _mm512_storeu_ps(a + 16, _mm512_fmadd_ps(d1, _mm512_loadu_ps(c + 32 * r + 16),
+                                                   _mm512_loadu_ps(a + 16)));
+        }
+        return;
+      }
       __m512 m0, m1;
       if constexpr (T == kQ4_1) {
         m0 = scales(q[0], q[1], 144), m1 = scales(q[2], q[3], 144);
       } else {
-        m0 = _mm512_mul_ps(d0, _mm512_set1_ps(-8.0f)), m1 = _mm512_mul_ps(d1, _mm512_set1_ps(-8.0f));
+        const __m512 eight = _mm512_set1_ps(-8.0f);
+        m0 = _mm512_mul_ps(d0, eight), m1 = _mm512_mul_ps(d1, eight);
       }
-      const float* c = products.data() + (b & 1) * padded * 32;
       for (int64_t r = 0; r < M; ++r) {
         const __m512 xs = _mm512_set1_ps(sums[r * nb + b]);
         float* a = acc.data() + 32 * r;
@@ -240,18 +286,20 @@ bool amx_usable() {
 #endif
 }
 
-bool amx_q4_lanes_product(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* w,
-                          int64_t N, const float* bias, float* out) {
+bool amx_lanes_product(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* w,
+                       int64_t N, const float* bias, float* out) {
 #if defined(RAYGEN_AMX)
-  if ((type != kQ4_0 && type != kQ4_1) || N % kTile != 0 || !amx_usable()) return false;
+  if ((type != kQ4_0 && type != kQ4_1 && type != kQ8_0) || N % kTile != 0 || !amx_usable())
+    return false;
   // Rows in chunks of up to kChunkRows: each task reads all of its chunk's x parts, which
   // then stay in the caches (280 rows at once took 0.94x the float32 panels' time, in
   // chunks 0.6x: benchmarks/NOTES.md 114).
   const int64_t chunks = (M + kChunkRows - 1) / kChunkRows, rows = (M + chunks - 1) / chunks;
   for (int64_t r = 0; r < M; r += rows) {
     const int64_t m = std::min(rows, M - r);
-    if (type == kQ4_1) amx_q4_product<kQ4_1>(x + r * K, m, K, w, N, bias, out + r * N);
-    else amx_q4_product<kQ4_0>(x + r * K, m, K, w, N, bias, out + r * N);
+    if (type == kQ4_1) amx_product<kQ4_1>(x + r * K, m, K, w, N, bias, out + r * N);
+    else if (type == kQ4_0) amx_product<kQ4_0>(x + r * K, m, K, w, N, bias, out + r * N);
+    else amx_product<kQ8_0>(x + r * K, m, K, w, N, bias, out + r * N);
   }
   return true;
 #else

@@ -56,11 +56,13 @@ constexpr int kMaxTileRows = 8;  // rows of x per pass over the weights
 // bfloat16 weights: steps of at least this many rows multiply x rounded to bfloat16
 // (bf16_dot_product), where a CPU has vdpbf16ps; smaller ones keep float32 x.
 constexpr int64_t kBf16DotRows = 4;
-// Q4 steps of at least this many rows multiply on AMX tiles where the CPU has them
+// Steps of at least this many rows multiply on AMX tiles where the CPU has them
 // (quant_amx.cpp): SmolLM2's 120 Q4_1 layer products on an AMX Xeon took 0.77-0.89x the
 // vector tiles' time at 5 rows, 0.87-0.90x at 8, 0.69-0.73x at 16; 1.01-1.13x at 4 and
-// 1.08-1.20x at 2-3, which keep the x . q tiles (benchmarks/NOTES.md 114).
+// 1.08-1.20x at 2-3, which keep the x . q tiles. Its Q8_0 LM head: 1.10x at 5 rows, 0.99x
+// at 6, 0.81x at 8, 0.54x at 16, 0.49x at 32 (benchmarks/NOTES.md 114).
 constexpr int64_t kAmxMinRows = 5;
+constexpr int64_t kAmxQ8MinRows = 8;
 
 // Bytes of one block of a group of 8 rows: the quants, then 8 fp16 d (and for Q4_1 8 fp16 m);
 // for float32 weights the 32 positions' 8 rows, position by position; for bfloat16 ones the
@@ -633,9 +635,9 @@ at::Tensor linear_quant_lanes(at::Tensor x, at::Tensor lanes, int64_t type, int6
     return out;
   }
 #endif
-  if (M >= kAmxMinRows && amx_q4_lanes_product(type, xc.data_ptr<float>(), M, K,
-                                                lanes.data_ptr<uint8_t>(), out_features, b,
-                                                out.data_ptr<float>()))
+  if (M >= (type == kQ8_0 ? kAmxQ8MinRows : kAmxMinRows) &&
+      amx_lanes_product(type, xc.data_ptr<float>(), M, K, lanes.data_ptr<uint8_t>(), out_features,
+                        b, out.data_ptr<float>()))
     return out;
 #if defined(RAYGEN_QUANT_LANES)
   const auto run = [&](auto t) {
