@@ -93,9 +93,13 @@ def panels_pay(rows: int, onednn_s: float, panels_s: float) -> bool:
 # whose timing said 0.9-1.0x did; so a tie is enough (NOTES.md 71). 12 and 24: the
 # blocks' lead ends between the powers of two. 6: a one-request step with 4 drafts has 5
 # rows, and the LM head's Q8_0 blocks win there but not at 8 (NOTES.md 99). 64-512: prompt
-# chunks, where the blocks on AMX tiles beat the float32 panels (0.64x at 64 rows, 0.76x at
-# 280 on an AMX Xeon, NOTES.md 114); elsewhere the vector tiles lose by 32 and stop there.
-QUANT_TIMED_ROWS = (1, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256, 512)
+# chunks, where the blocks on AMX tiles beat the float32 panels (0.62-0.75x from 64 to 512
+# rows on an AMX Xeon, NOTES.md 114); elsewhere the vector tiles lose by 32 and stop there.
+QUANT_TIMED_ROWS = (1, 4, 6, 8, 12, 16, 24, 32, 64, 128, 512)
+# Timings of up to this many rows are the best of 3 passes; bigger ones (tens to hundreds of
+# ms each) are timed once: a first start on that Xeon took 7.2 s with timings to 32 rows,
+# 11-12 s to 512 (3 s more as the best of 3).
+QUANT_BEST_OF_3_ROWS = 32
 QUANT_MAX_RATIO = 1.0
 # bfloat16 weights in raygen's lanes, where oneDNN multiplies bfloat16 too, read the same
 # bytes: they serve steps of up to this many rows at most. With vdpbf16ps they took
@@ -354,7 +358,8 @@ class WeightPlan:
                     break
                 float_s, blocks_s = timings[rows] = self._timed(
                     ("quant", kind, len(linears), rows, self.quant_int8),
-                    time_quant_products, linears, rows)
+                    time_quant_products, linears, rows,
+                    rounds=3 if rows <= QUANT_BEST_OF_3_ROWS else 1)
                 if blocks_s > QUANT_MAX_RATIO * float_s:
                     break
                 up_to = rows
