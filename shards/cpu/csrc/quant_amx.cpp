@@ -178,11 +178,10 @@ void amx_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   std::vector<float> sums(padded * nb);
   split_rows(x, M, padded, K, parts.data(), sums.data());
   // A task: two tiles of output rows (four lanes groups), whose products alternate on the
-  // tile unit; N % 32 == 16 ends in a task of one (its second tile multiplies zeros).
-  // A task: two tiles of output rows (four lanes groups), whose products alternate on the
-  // tile unit; N % 32 == 16 ends in a task of one (its second tile multiplies zeros).
-  // Block b's products are summed into acc while block b + 1's are on the tile unit, and
-  // block b + 1 + kAhead's quants are laid out meanwhile: the vector work waits for no tile.
+  // tile unit; N % 32 == 16 ends in a task of one (its second tile multiplies its first
+  // one's quants again, and is not written). While block b's products are on the tile
+  // unit, block b + kAhead's quants are laid out and block b - 1's products are scaled
+  // into acc: the vector work waits for no tile.
   for_each_claimed_in_ranges((N + 2 * kTile - 1) / (2 * kTile), [&](int64_t task) {
     thread_local std::vector<float> acc, products;
     acc.assign(padded * 32, 0.0f);
@@ -293,7 +292,7 @@ bool amx_lanes_product(int64_t type, const float* x, int64_t M, int64_t K, const
     return false;
   // Rows in chunks of up to kChunkRows: each task reads all of its chunk's x parts, which
   // then stay in the caches (280 rows at once took 0.94x the float32 panels' time, in
-  // chunks 0.6x: benchmarks/NOTES.md 114).
+  // chunks 0.76-0.82x; 512 rows 1.04x and 0.89x: benchmarks/NOTES.md 114).
   const int64_t chunks = (M + kChunkRows - 1) / kChunkRows, rows = (M + chunks - 1) / chunks;
   for (int64_t r = 0; r < M; r += rows) {
     const int64_t m = std::min(rows, M - r);
