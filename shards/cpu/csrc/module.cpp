@@ -29,7 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_dot_min_rows", &bf16_dot_min_rows,
         "the fewest rows of x that bfloat16 lanes multiply rounded to bfloat16 (0: never)");
   m.def("amx_usable", &amx_usable,
-        "whether Q4 rows in lanes multiply steps of many rows on AMX tiles (built and granted)");
+        "whether GGUF blocks in lanes multiply bigger steps on AMX tiles (built and granted)");
   m.def("pack_quant_lanes", &pack_quant_lanes,
         "W's GGUF blocks (Q4_0, Q4_1, Q8_0) as groups of 8 rows, one row per vector lane");
   m.def("linear_quant_lanes", &linear_quant_lanes,

@@ -46,7 +46,8 @@ bool quant_lanes_supported();
 // The fewest rows of x that bfloat16 weights in lanes multiply rounded to bfloat16
 // (vdpbf16ps: AVX-512 with avx512_bf16); 0 where not built: x stays float32.
 int64_t bf16_dot_min_rows();
-// Whether Q4 weights in lanes multiply steps of many rows on AMX tiles (quant_amx.cpp).
+// Whether GGUF blocks in lanes (Q4_0, Q4_1, Q8_0) multiply bigger steps on AMX tiles
+// (quant_amx.cpp).
 bool amx_usable();
 at::Tensor pack_quant_lanes(at::Tensor weight, int64_t type, int64_t in_features);
 at::Tensor linear_quant_lanes(at::Tensor x, at::Tensor lanes, int64_t type, int64_t out_features,

@@ -175,7 +175,7 @@ void with_tile(int64_t rows, Run&& run) {
 
 }  // namespace
 
-// Steps of many rows times Q4_0/Q4_1/Q8_0 rows in lanes on AMX tiles, x kept exact
+// Steps of several rows times Q4_0/Q4_1/Q8_0 rows in lanes on AMX tiles, x kept exact
 // (quant_amx.cpp): false where not built for AMX, not granted it (ops.h: amx_usable), or
 // not one of those types with whole tiles of 16 output rows (the caller multiplies then).
 bool amx_lanes_product(int64_t type, const float* x, int64_t M, int64_t K, const uint8_t* w,
