@@ -174,9 +174,17 @@ void amx_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
   const int64_t group_bytes = nb * bytes;
   // Tiles of x as even as they go (20 rows: 10 + 10), rows past M zero.
   const int64_t tiles = (M + kTile - 1) / kTile, h = (M + tiles - 1) / tiles, padded = tiles * h;
-  std::vector<uint16_t> parts(3 * padded * K);
-  std::vector<float> sums(padded * nb);
-  split_rows(x, M, padded, K, parts.data(), sums.data());
+  // split_rows writes every element (rows past M as zeros): kept per calling thread and
+  // grown, not allocated and zero-filled again by each of a step's 120 calls.
+  // The tasks below run on other threads: they read these through plain pointers (a
+  // thread_local named there would be that thread's own).
+  thread_local std::vector<uint16_t> part_buffer;
+  thread_local std::vector<float> sum_buffer;
+  if (part_buffer.size() < static_cast<size_t>(3 * padded * K)) part_buffer.resize(3 * padded * K);
+  if (sum_buffer.size() < static_cast<size_t>(padded * nb)) sum_buffer.resize(padded * nb);
+  const uint16_t* parts = part_buffer.data();
+  const float* sums = sum_buffer.data();
+  split_rows(x, M, padded, K, part_buffer.data(), sum_buffer.data());
   // A task: two tiles of output rows (four lanes groups), whose products alternate on the
   // tile unit; N % 32 == 16 ends in a task of one (its second tile multiplies its first
   // one's quants again, and is not written). While block b's products are on the tile
@@ -237,7 +245,7 @@ void amx_product(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t
     for (int64_t b = 0; b < nb; ++b) {
       _tile_loadd(3, quants[b % (kAhead + 1)], 64);
       _tile_loadd(7, quants[b % (kAhead + 1)] + 512, 64);
-      const uint16_t* xb = parts.data() + b * 3 * padded * kBlock;
+      const uint16_t* xb = parts + b * 3 * padded * kBlock;
       float* c = products.data() + (b & 1) * padded * 32;
       for (int64_t r = 0; r < padded; r += h) {
         _tile_zero(4);
