@@ -81,14 +81,21 @@ class Server:
     # takes about 10 s (Serve's and Ray's shutdowns) that measure nothing, and SIGTERM can
     # orphan its HAProxy. transformers serve hangs on SIGINT and stops on SIGTERM.
     stop_signal: int = signal.SIGKILL
+    # Ready once each of these answers 200: one per application where a config serves
+    # several under route prefixes (benchmarks.speculation --side-by-side).
+    health_paths: tuple[str, ...] = ("/health",)
 
 
 def _serve_config(import_path: str, args: dict, host: str = "127.0.0.1") -> str:
     """`serve run` takes a port only from a config file."""
-    config = {"http_options": {"host": host, "port": PORT},
-              "applications": [{"name": "bench", "route_prefix": "/", "import_path": import_path,
-                                "args": args}]}
-    return load.serve_config_file(config)
+    return serve_config_apps([{"name": "bench", "route_prefix": "/",
+                               "import_path": import_path, "args": args}], host)
+
+
+def serve_config_apps(applications: list[dict], host: str = "127.0.0.1") -> str:
+    """A `serve run` config file of these applications, on PORT."""
+    return load.serve_config_file({"http_options": {"host": host, "port": PORT},
+                                   "applications": applications})
 
 
 def make_servers(args: argparse.Namespace) -> list[Server]:
@@ -235,7 +242,8 @@ def start(server: Server, log_path: Path, timeout_s: float = 600) -> subprocess.
         if proc.poll() is not None:
             raise RuntimeError(f"{server.name} exited early; see {log_path}")
         try:
-            if httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=5).status_code == 200:
+            if all(httpx.get(f"http://127.0.0.1:{PORT}{path}", timeout=5).status_code == 200
+                   for path in server.health_paths):
                 return proc
         except httpx.HTTPError:
             pass

@@ -14,7 +14,10 @@ Reports output tokens/s per cell, the ratio to `speculate=0`, the acceptance cou
 `/metrics`, and whether every greedy answer was the same in both servers. `--passes 2`
 runs the servers in turn forward, then backward, and reports each cell's mean: in one pass
 the server that goes second reads the machine's drift (free answers at 16 read 0.87-0.89x
-with `speculate=4` second and 1.00x with it first, benchmarks/NOTES.md 69). `--peers
+with `speculate=4` second and 1.00x with it first, benchmarks/NOTES.md 69). `--side-by-side`
+serves both settings at once instead, as two applications of one `serve run`, and measures
+each cell on one and then at once on the other: the hour's drift, which moved a cell by up
+to 11% between two server starts, no longer falls between the two (NOTES.md 115). `--peers
 llama-server` also drives llama.cpp's server (built by `make peers`) on the same file and
 requests, and reports raygen with drafts against it."""
 
@@ -113,8 +116,8 @@ async def one(client: httpx.AsyncClient, model: str, prompt: str, max_tokens: in
 
 
 async def load(model: str, prompts: list[str], concurrency: int, max_tokens: int,
-               ignore_eos: bool) -> dict:
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{compare.PORT}",
+               ignore_eos: bool, prefix: str = "") -> dict:
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{compare.PORT}{prefix}",
                                  timeout=1800) as client:
         # Warm: a server just started is still settling (one cell at concurrency 1 read
         # 61 tok/s first and 80 a minute later, NOTES.md 69), and a first draft of each
@@ -136,8 +139,8 @@ async def load(model: str, prompts: list[str], concurrency: int, max_tokens: int
             "texts": [t for t, _ in results]}
 
 
-def counters() -> dict[str, float]:
-    text = httpx.get(f"http://127.0.0.1:{compare.PORT}/metrics", timeout=10).text
+def counters(prefix: str = "") -> dict[str, float]:
+    text = httpx.get(f"http://127.0.0.1:{compare.PORT}{prefix}/metrics", timeout=10).text
     found = {}
     for name in ("raygen_speculation_draft_tokens_total",
                  "raygen_speculation_accepted_tokens_total"):
@@ -162,32 +165,69 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--passes", type=int, default=1, help="run the servers this many times, "
                    "in turn forward and backward (a machine that drifts during a run favours "
                    "whichever server goes first); each cell's tok/s is the mean of its passes")
+    p.add_argument("--side-by-side", action="store_true", help="serve both settings at once, "
+                   "as two applications of one `serve run`, and measure each cell on one then "
+                   "the other (A B, then B A in the next pass) rather than server after server")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--write-corpus", action="store_true", help=f"write {CORPUS.name} from "
                    "the sources as they are now, and stop (the grounded prompts change)")
     return p.parse_args(argv)
 
 
+def measure(cell: tuple[str, int], args, peer: bool, prefix: str = "") -> dict:
+    """Drive one cell against the server (the application under `prefix`): its row."""
+    kind, c = cell
+    n = max(args.min_requests, args.requests_per_concurrency * c)
+    prompts = grounded_prompts(n, seed=c) if kind == "grounded" else free_prompts(n, c)
+    before = {} if peer else counters(prefix)
+    row = asyncio.run(load(args.model, prompts, c, args.max_tokens, kind == "free", prefix))
+    after = {} if peer else counters(prefix)
+    row.update({k.removeprefix("raygen_speculation_").removesuffix("_total"):
+                after[k] - before[k] for k in after})
+    print(f"  {prefix or ''} {kind} c={c}: {row['output_tok_s']} tok/s, {row['output_tokens']} "
+          f"tokens, drafts {row.get('draft_tokens', 0):.0f} kept "
+          f"{row.get('accepted_tokens', 0):.0f}", flush=True)
+    return row
+
+
 def run_server(server, cells, args, log_path: Path, peer: bool) -> dict:
     """Start one server, drive every cell, stop it: the cells' rows."""
     proc = compare.start(server, log_path)
-    rows = {}
     try:
-        for kind, c in cells:
-            n = max(args.min_requests, args.requests_per_concurrency * c)
-            prompts = grounded_prompts(n, seed=c) if kind == "grounded" else free_prompts(n, c)
-            before = {} if peer else counters()
-            row = asyncio.run(load(args.model, prompts, c, args.max_tokens, kind == "free"))
-            after = {} if peer else counters()
-            row.update({k.removeprefix("raygen_speculation_").removesuffix("_total"):
-                        after[k] - before[k] for k in after})
-            rows[f"{kind}@{c}"] = row
-            print(f"  {kind} c={c}: {row['output_tok_s']} tok/s, {row['output_tokens']} "
-                  f"tokens, drafts {row.get('draft_tokens', 0):.0f} kept "
-                  f"{row.get('accepted_tokens', 0):.0f}", flush=True)
+        return {f"{kind}@{c}": measure((kind, c), args, peer) for kind, c in cells}
     finally:
         compare.stop(proc, server.stop_signal)
-    return rows
+
+
+def side_by_side(servers, cells, args, out_dir: Path) -> dict[str, list[dict]]:
+    """Both settings as two applications of one `serve run` (route prefixes /<key>), each
+    cell measured on one right after the other, in turn A B, then B A: a comparison that
+    the machine's drift between two server starts (minutes apart) does not reach. The idle
+    application costs its Ray actors' upkeep (about 2% of a core here), under both."""
+    apps, prefixes = [], {}
+    for i, server in enumerate(servers):
+        app = json.loads(Path(server.command[2]).read_text())["applications"][0]
+        prefixes[server.key] = f"/app{i}"
+        apps.append({**app, "name": f"app{i}", "route_prefix": prefixes[server.key]})
+    both = compare.Server("raygen-side-by-side", " + ".join(s.name for s in servers),
+                          [*servers[0].command[:2], compare.serve_config_apps(apps)],
+                          servers[0].env, health_paths=tuple(f"{p}/health"
+                                                             for p in prefixes.values()))
+    passes: dict[str, list[dict]] = {server.key: [] for server in servers}
+    proc = compare.start(both, out_dir / "speculation-side-by-side.log")
+    try:
+        for i in range(args.passes):
+            rows: dict[str, dict] = {server.key: {} for server in servers}
+            for j, (kind, c) in enumerate(cells):
+                for server in servers if (i + j) % 2 == 0 else servers[::-1]:
+                    print(f"== {server.name} (pass {i + 1})", flush=True)
+                    rows[server.key][f"{kind}@{c}"] = measure((kind, c), args, False,
+                                                              prefixes[server.key])
+            for key, row in rows.items():
+                passes[key].append(row)
+    finally:
+        compare.stop(proc, both.stop_signal)
+    return passes
 
 
 def merge_passes(passes: list[dict]) -> dict:
@@ -222,13 +262,20 @@ def main(argv: list[str] | None = None) -> dict:
     servers = compare.make_servers(ns)
     results: dict = {"model": args.model, "machine": compare.machine_description(args.model),
                      "started": time.strftime("%Y-%m-%d %H:%M:%S"), "servers": {}}
-    passes: dict[str, list[dict]] = {server.key: [] for server in servers}
-    for i in range(args.passes):
-        for server in servers if i % 2 == 0 else servers[::-1]:
-            print(f"== {server.name} (pass {i + 1})", flush=True)
-            log_path = out_dir / f"speculation-{server.key.replace('@', '-')}-{i + 1}.log"
-            passes[server.key].append(run_server(server, cells, args, log_path,
-                                                 server.key in peers))
+    if args.side_by_side:
+        if peers:
+            raise SystemExit("--side-by-side serves raygen's two settings only; run --peers "
+                             "without it")
+        passes = side_by_side(servers, cells, args, out_dir)
+        results["side_by_side"] = True
+    else:
+        passes = {server.key: [] for server in servers}
+        for i in range(args.passes):
+            for server in servers if i % 2 == 0 else servers[::-1]:
+                print(f"== {server.name} (pass {i + 1})", flush=True)
+                log_path = out_dir / f"speculation-{server.key.replace('@', '-')}-{i + 1}.log"
+                passes[server.key].append(run_server(server, cells, args, log_path,
+                                                     server.key in peers))
     results["servers"] = {key: merge_passes(rows) for key, rows in passes.items()}
     base, spec = (results["servers"][k] for k in keys)
     print(f"\n| cell | speculate=0 tok/s | speculate={args.speculate} tok/s | ratio | drafts kept "

@@ -129,3 +129,42 @@ def test_serving_floor_load_sends_prompts_the_server_has_not_cached(monkeypatch)
     assert serving_floor.main([*argv, "--seed", "5"])["seed"] == 5
     serving_floor.main([*argv, "--seed", "5"])
     assert sent[1] == sent[3]
+
+
+def test_side_by_side_serves_both_settings_in_one_config_and_alternates_their_turns(
+        monkeypatch, tmp_path):
+    """`benchmarks.speculation --side-by-side`: one `serve run` of two applications under
+    their own route prefixes (each with its setting's builder args, each waited for), and
+    every cell measured on both, the order turning with each cell and each pass."""
+    from benchmarks import compare, speculation
+
+    model = str(tmp_path)  # a directory: the servers' commands only name it
+    args = speculation.parse_args(["--side-by-side", "--passes", "2", "--model", model])
+    ns = compare.parse_args(["--model", model, "--servers",
+                             "raygen-tp1@speculate=0,raygen-tp1@speculate=4"])
+    servers = compare.make_servers(ns)
+    started, turns = [], []
+    monkeypatch.setattr(compare, "start", lambda server, log: started.append(server) or "proc")
+    monkeypatch.setattr(compare, "stop", lambda proc, sig: started.append(proc))
+
+    def fake_measure(cell, args, peer, prefix):
+        turns.append((cell, prefix))
+        return {"output_tok_s": float(len(turns))}
+
+    monkeypatch.setattr(speculation, "measure", fake_measure)
+    cells = [("grounded", 1), ("free", 16)]
+    passes = speculation.side_by_side(servers, cells, args, tmp_path)
+
+    both, stopped = started
+    assert stopped == "proc"
+    config = json.loads(open(both.command[2]).read())
+    apps = {a["route_prefix"]: a["args"]["speculate"] for a in config["applications"]}
+    assert apps == {"/app0": 0, "/app1": 4}
+    assert both.health_paths == ("/app0/health", "/app1/health")
+    assert turns == [(("grounded", 1), "/app0"), (("grounded", 1), "/app1"),
+                     (("free", 16), "/app1"), (("free", 16), "/app0"),
+                     (("grounded", 1), "/app1"), (("grounded", 1), "/app0"),
+                     (("free", 16), "/app0"), (("free", 16), "/app1")]
+    off, on = (passes[s.key] for s in servers)
+    assert [p["free@16"]["output_tok_s"] for p in on] == [3.0, 8.0]
+    assert [p["grounded@1"]["output_tok_s"] for p in off] == [1.0, 6.0]
