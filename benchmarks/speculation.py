@@ -184,7 +184,8 @@ def measure(cell: tuple[str, int], args, peer: bool, prefix: str = "") -> dict:
     after = {} if peer else counters(prefix)
     row.update({k.removeprefix("raygen_speculation_").removesuffix("_total"):
                 after[k] - before[k] for k in after})
-    print(f"  {prefix or ''} {kind} c={c}: {row['output_tok_s']} tok/s, {row['output_tokens']} "
+    where = f"{prefix} " if prefix else ""
+    print(f"  {where}{kind} c={c}: {row['output_tok_s']} tok/s, {row['output_tokens']} "
           f"tokens, drafts {row.get('draft_tokens', 0):.0f} kept "
           f"{row.get('accepted_tokens', 0):.0f}", flush=True)
     return row
@@ -200,10 +201,11 @@ def run_server(server, cells, args, log_path: Path, peer: bool) -> dict:
 
 
 def side_by_side(servers, cells, args, out_dir: Path) -> dict[str, list[dict]]:
-    """Both settings as two applications of one `serve run` (route prefixes /<key>), each
-    cell measured on one right after the other, in turn A B, then B A: a comparison that
-    the machine's drift between two server starts (minutes apart) does not reach. The idle
-    application costs its Ray actors' upkeep (about 2% of a core here), under both."""
+    """Both settings as two applications of one `serve run` (route prefixes /app0 and
+    /app1), each cell measured on one right after the other, in turn A B, then B A: a
+    comparison that the machine's drift between two server starts (minutes apart) does not
+    reach. The idle application costs its Ray actors' upkeep (about 2% of a core here),
+    under both."""
     apps, prefixes = [], {}
     for i, server in enumerate(servers):
         app = json.loads(Path(server.command[2]).read_text())["applications"][0]
