@@ -102,11 +102,12 @@ def make_servers(args: argparse.Namespace) -> list[Server]:
     serve_bin = str(Path(sys.executable).with_name("serve"))
     base_env = {"RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
                 "RAY_ENABLE_AUTO_CONNECT": "0"}
-    # Serve's throughput mode (serve_config.yaml's controller_options); ray[serve] ships
-    # the HAProxy binary.
-    # Direct ingress drains >= 30 s on shutdown by default; nothing is in flight here.
-    fast = {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
-            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+    # What raygen ships with: serve_config.yaml's controller_options, which `serve run
+    # IMPORT_PATH` sets too (Serve's throughput mode, its control loop every 0.5 s; HAProxy
+    # ships with ray[serve]). Until stop 105 this left the control loop at Serve's 0.1 s,
+    # which cost raygen 1.2 ms of CPU a token at concurrency 1 on 2 cores (NOTES.md 118).
+    from deployments.app import THROUGHPUT_MODE_ENV
+    fast = dict(THROUGHPUT_MODE_ENV)
     servers = {}
     dtype = {"dtype": args.dtype} if args.dtype != "float32" else {}
     for tp in args.raygen_tp:

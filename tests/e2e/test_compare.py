@@ -107,6 +107,9 @@ def test_raygen_variants_pass_environment_variables_after_a_percent_sign(llama_d
                        "raygen-import-path@reserved_cpus=0%X=2,raygen-tp1%X=3"])
     env_only, both, tp1 = make_servers(args)
     assert args.raygen_tp == [1] and tp1.env["X"] == "3"
+    # A config-run raygen runs under the controller's settings that serve_config.yaml ships.
+    from deployments.app import THROUGHPUT_MODE_ENV
+    assert THROUGHPUT_MODE_ENV.items() <= tp1.env.items()
     assert env_only.command[1:] == ["run", "deployments.app:build_app", f"model={llama_dir}"]
     assert (env_only.env["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"], env_only.env["X"]) == ("0.5", "1")
     assert both.command[-1] == "reserved_cpus=0" and both.env["X"] == "2"
