@@ -406,7 +406,9 @@ def params(limits: Limits, max_n: int, req: CompletionRequest | ChatRequest, cha
         skip_special_tokens=req.skip_special_tokens, logit_bias=tuple(sorted(bias.items())),
         prompt_logprobs=score_prompt or ranked, prompt_ranks=ranked,
         prompt_top_n_tokens=max(top_n if score_prompt else 0, req.prompt_logprobs or 0),
-        cache_salt=req.cache_salt)
+        cache_salt=req.cache_salt,
+        # A token's logprob only where the response shows it.
+        logprobs=bool(req.logprobs) if chat else req.logprobs is not None)
 
 
 def prompt_only(req: CompletionRequest | ChatRequest, chat: bool) -> bool:

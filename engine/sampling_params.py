@@ -26,6 +26,10 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     top_n_tokens: int = 0  # alternatives returned with each token's logprob
+    # Whether each drawn token's logprob is wanted (TGI returns one with every token;
+    # OpenAI only with `logprobs`). Without, a plain greedy row may skip the full
+    # vocabulary's logits (shards/cpu/greedy_screen.py) and its logprobs are NaN.
+    logprobs: bool = True
     prompt_logprobs: bool = False
     prompt_top_n_tokens: int = 0  # alternatives returned with each prompt token's logprob
     prompt_ranks: bool = False  # and each prompt token's rank in the vocabulary (1: the best)
@@ -96,6 +100,16 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def argmax_only(self) -> bool:
+        """Greedy, with nothing that reads or changes the logits but the argmax: no
+        logprobs or alternatives asked for, no bias, masks, penalties, watermark or grammar
+        (min_tokens' hold on the end tokens is the caller's to check: it depends on the
+        position)."""
+        return (self.temperature == 0.0 and not self.logprobs and not self.top_n_tokens
+                and not self.logit_bias and not self.allowed_token_ids and not self.bad_words
+                and not self.watermark and self.grammar is None and not self.has_penalties)
 
     @property
     def has_penalties(self) -> bool:

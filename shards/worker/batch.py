@@ -178,6 +178,31 @@ def make_output(logits: torch.Tensor | None, samples: list[Sample],
                       [result.top_logprobs[i] for i in keep], prompt_logprobs, errors), kept
 
 
+def argmax_only(samples: list[Sample], prompt_rows: dict) -> bool:
+    """Whether a step needs of its logits only the argmax of each sampled row (no prompt
+    to score, every row `SamplingParams.argmax_only` and past min_tokens' hold)."""
+    return (bool(samples) and not prompt_rows
+            and all(s.row.params.argmax_only and s.row.position >= s.row.params.min_tokens
+                    for s in samples))
+
+
+def greedy_output(tokens: list[int], samples: list[Sample]) -> tuple[StepOutput, list[int]]:
+    """make_output for a step of `argmax_only` rows whose tokens were drawn already:
+    logprobs NaN (not asked for), drafts kept as make_output keeps them."""
+    kept: list[int] = []
+    failed: set[str] = set()
+    for s, token in zip(samples, tokens, strict=True):
+        if s.request_id in failed:
+            kept.append(-1)
+            continue
+        kept.append(token)
+        if s.draft is not None and token != s.draft:
+            failed.add(s.request_id)
+    keep = [i for i, token in enumerate(kept) if token >= 0]
+    return StepOutput([samples[i].request_id for i in keep], [kept[i] for i in keep],
+                      [math.nan] * len(keep), [[] for _ in keep]), kept
+
+
 def score_prompt(logits: torch.Tensor, first: int, start: int, targets: list[int],
                  top_n: int, ranks: bool) -> PromptScores:
     """A request's prompt rows (from logit row `first`, position `start`): each next

@@ -20,6 +20,7 @@ from engine.messages import StepDrafting, StepInput, StepOutput
 from engine.sampling_params import SamplingParams
 from engine.speculation import SpeculationState, draft_step
 from shards.checkpoints.loader import load_weights
+from shards.cpu import greedy_screen
 from shards.cpu.layouts import cpu_bf16_products, drop_gguf_blocks
 from shards.cpu.plan import bind_torch_threads
 from shards.model.attention import CpuPagedAttentionBackend, select_backend
@@ -29,7 +30,7 @@ from shards.model.layers import TPContext, use_cpu_kernels
 from shards.model.llama import CausalLM, DecodeLoop
 from shards.shard_config import ShardConfig
 from shards.worker.adapters import RankAdapters
-from shards.worker.batch import make_output, metadata, step_rows
+from shards.worker.batch import argmax_only, greedy_output, make_output, metadata, step_rows
 from shards.worker.weight_plan import WeightPlan, bf16_block_kernel
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,9 @@ class ModelRunner:
             use_cpu_kernels(self.model, kernels)
             self.model.model.decode_loop = DecodeLoop(self.model.model, kernels)
             logger.info("RMSNorm and rotary embedding: raygen's CPU kernels")
+        # Greedy rows that want no logprobs: the float32 head's argmax from a bfloat16 copy
+        # (shards/cpu/greedy_screen.py), where it pays; rank 0 alone samples.
+        self.screen = greedy_screen.build(self.model, kernels, tp.world_size)
         self.adapters = RankAdapters(self.model, config.max_lora_rank, self.dtype, self.device,
                                      kernels, config.lora_adapters)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -172,6 +176,9 @@ class ModelRunner:
             # A second copy of the weights for small steps, as timed at start-up ("rows in
             # lanes", "panels", "K x N", "float32, widened from bfloat16"), or None.
             "weight_copy": self.weights.weight_copy,
+            # Greedy rows without logprobs take the LM head's argmax from its bfloat16
+            # copy (exact: shards/cpu/greedy_screen.py), where that paid at start-up.
+            "greedy_screen": self.screen is not None,
         }
 
     # -- KV cache ----------------------------------------------------------------------
@@ -334,6 +341,13 @@ class ModelRunner:
                                 self.kv_caches, meta)
         finally:
             self.adapters.set_batch([], 0, dev)
+        if (self.screen is not None and len(rows.logit_rows) <= self.screen.max_rows
+                and argmax_only(rows.samples, rows.prompt_rows)):
+            tokens = self.screen.argmax(hidden[torch.tensor(rows.logit_rows, device=dev)])
+            output, kept = greedy_output([tokens[s.logit_row] for s in rows.samples],
+                                         rows.samples)
+            self._keep_sampled([s.request_id for s in rows.samples], kept)
+            return output
         logits = None
         if rows.logit_rows:
             logits = self.model.compute_logits(hidden[torch.tensor(rows.logit_rows, device=dev)])

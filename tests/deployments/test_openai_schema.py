@@ -577,3 +577,16 @@ def test_a_tool_call_cut_anywhere_reads_the_same_streamed_and_whole(text):
         complete = parse(out) is not None
         assert (stream.called and complete) == (bool(whole_calls) and complete)
     assert message(text) != (text, [])  # the whole text is a call or no_tool's content
+
+
+def test_a_token_s_logprob_is_asked_of_the_engine_only_where_the_response_shows_it():
+    """Without `logprobs` a greedy row may skip the full vocabulary's logits
+    (shards/cpu/greedy_screen.py); with it (0 included, for completions) it may not."""
+    cases = ((CompletionRequest(model="m", prompt="hi"), False, False),
+             (CompletionRequest(model="m", prompt="hi", logprobs=0), False, True),
+             (CompletionRequest(model="m", prompt="hi", logprobs=2), False, True),
+             (chat_request("hi"), True, False),
+             (chat_request("hi", logprobs=False), True, False),
+             (chat_request("hi", logprobs=True), True, True))
+    for request, chat, wanted in cases:
+        assert params(LIMITS, 4, request, chat, num_prompt_tokens=3).logprobs is wanted
