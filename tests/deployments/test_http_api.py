@@ -245,7 +245,9 @@ def test_tokenize_and_info(app, tokenizer):
         "tensor_parallel_size": 1, "num_scheduler_steps": 4, "compute_path": {
             "device": "cpu", "weight_dtype": "float32", "activation_dtype": "float32",
             "attention_backend": "cpu", "kv_cache_dtype": "float32",
-            "quant_blocks": None}}
+            # The demo llama's LM head is a weight of its own (not tied to the embedding),
+            # freed once packed: no greedy screen (shards/cpu/greedy_screen.py).
+            "quant_blocks": None, "greedy_screen": False}}
 
 
 def test_sagemaker_invocations_answer_each_kind_of_body_as_its_own_route_does(app):
