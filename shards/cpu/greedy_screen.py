@@ -1,26 +1,27 @@
-"""The greedy token of a float32 LM head from half its bytes, exactly.
+"""The greedy token of a float32 LM head from a quarter of its bytes, exactly.
 
 A one-row step of a small float32 model reads its LM head as much as its layers: SmolLM2's
 tied 49,152 x 576 embedding is 113 MB of the 540 MB a token reads. A greedy row whose
 caller wants no logprobs (OpenAI's requests without `logprobs`) needs only the argmax, so
-the screen multiplies a bfloat16 copy of the head (57 MB, in raygen's bfloat16 lanes, x
-kept in float32) and bounds each logit's distance from the float32 product:
+the screen multiplies a copy of the head in Q8_0 blocks (llama.cpp's 8-bit blocks of 32
+with an fp16 scale: 30 MB, raygen's lanes, x kept in float32) and bounds each logit's
+distance from the float32 product:
 
-    |x.w_bf16 computed - x.w computed| <= (2^-8 + 2.01 gamma_K) sum_i |x_i| |w_i|
-                                       <= BOUND x ||x|| ||w||
+    |screened_r - logit_r| <= E_r ||x||_1 + c ||x||_2 max(||w_r||, ||q_r||) = B_r
 
-(bfloat16's rounding moves each weight by at most 2^-8 of itself; gamma_K = K u / (1 - K u)
-bounds each side's float32 sum of K products; Cauchy-Schwarz the rest; BOUND carries 1%
-more for the float32 comparisons). Every vocabulary row whose screened logit plus its
-bound reaches the best screened logit minus that one's bound may be the argmax; those
-rows (usually 1-10) are multiplied again in float32 from the head's own weights, and the
-best of them is the token. So the token is the float32 product's argmax, up to the order
-its sums are taken in, as any of the head's kernels is (a tie within float32 rounding may
-go either way, as between oneDNN and raygen's panels).
+where E_r is row r's largest |w - d q| (measured when the copy is made: the blocks' own
+rounding), and c = 1.01 x 2.01 gamma_n bounds both sides' float32 sums of n products
+(gamma_n = n u / (1 - n u)). Every vocabulary row whose screened logit plus its bound
+reaches the best of (screened - bound) may be the argmax; those rows (1-10 on SmolLM2)
+are multiplied again in float32 from the head's own weights, and the best of them is the
+token. So the token is the float32 product's argmax, up to the order its sums are taken
+in, as with any of the head's kernels (a tie within float32 rounding may go either way, as
+between oneDNN and raygen's panels).
 
-Kept only where it pays at start-up (`build`): a float32 head whose N x K weight the model
-still holds (a tied embedding), one rank, raygen's bfloat16 lanes built, and the screen's
-one-row product timed at most SCREEN_MAX_RATIO of the head's own."""
+Kept only where it pays at start-up (`build`): a head multiplied in float32 whose N x K
+weight the model still holds (a tied embedding; not a GGUF file's blocks or bfloat16
+weights), one rank, raygen's lanes built, and the screen's one-row product timed at most
+SCREEN_MAX_RATIO of the head's own."""
 
 from __future__ import annotations
 
@@ -30,24 +31,46 @@ from typing import Any
 
 import torch
 
-from shards.checkpoints.gguf_weights import BF16_KERNEL_TYPE
+from shards.checkpoints.gguf_weights import KERNEL_TYPES
+from shards.cpu.layouts import F32_LANES_TYPE
 
 logger = logging.getLogger(__name__)
 
+Q8_0 = KERNEL_TYPES["Q8_0"]
+BLOCK = 32
 # The screen is kept where its one-row product takes at most this share of the head's
-# (about half the bytes: 0.50-0.66x on an Intel Xeon; benchmarks/NOTES.md 119).
+# (SmolLM2's F32 head on an Intel Xeon: about a third; benchmarks/NOTES.md 119).
 SCREEN_MAX_RATIO = 0.75
-# Steps of more rows than this take the full head (the lanes round x to bfloat16 from
-# `bf16_dot_min_rows` rows on, and from 4 rows the float32 head's product is not
-# bandwidth-bound: the screen gained nothing there).
+# Steps of more rows than this take the full head (from 4 rows the float32 head's product
+# is no longer bound by its bytes: the screen gained nothing there).
 SCREEN_MAX_ROWS = 3
+# Past this many rows within the cheap reach (every row's bound at its largest), the
+# candidates are cut to those within their own rows' bounds.
+REFINE_ABOVE = 32
 
 
-def bound_factor(k: int) -> float:
-    """BOUND above for a head of K columns."""
+def q8_0_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W (N x K float32) as Q8_0 blocks, one uint8 row of K / 32 blocks (fp16 d, 32 int8)
+    per output row as a GGUF file holds them; each row's largest |w - d q| and each row's
+    norm, the larger of W's and the blocks' (float64 sums, rounded up)."""
+    n, k = weight.shape
+    blocks = weight.reshape(n, k // BLOCK, BLOCK)
+    d = (blocks.abs().amax(dim=2, keepdim=True) / 127).half()
+    scale = d.float()
+    q = torch.where(scale > 0, blocks / scale, torch.zeros_like(blocks)).round().clamp(-127, 127)
+    values = (q * scale).double()
+    error = (blocks.double() - values).abs().reshape(n, k).amax(dim=1)
+    norms = torch.maximum(weight.double().norm(dim=1), values.reshape(n, k).norm(dim=1))
+    raw = torch.cat([d.view(torch.uint8).reshape(n, k // BLOCK, 2),
+                     q.to(torch.int8).view(torch.uint8)], dim=2)
+    up = 1 + 2.0**-20
+    return raw.reshape(n, -1).contiguous(), (error * up).float(), (norms * up).float()
+
+
+def sum_bound(n: int) -> float:
+    """c above for sums of n products (with the blocks' scaling, n = K + K / 32 + 1)."""
     u = 2.0**-24
-    gamma = k * u / (1 - k * u)
-    return 1.01 * (2.0**-8 + 2.01 * gamma)
+    return 1.01 * 2.01 * n * u / (1 - n * u)
 
 
 class GreedyScreen:
@@ -55,33 +78,40 @@ class GreedyScreen:
         self.weight = weight  # the head's own float32 rows (shared, not copied)
         self.kernels = kernels
         self.num_rows, k = weight.shape
-        self.hi = kernels.pack_quant_lanes(weight.bfloat16().contiguous().view(torch.uint8),
-                                           BF16_KERNEL_TYPE, k)
-        # B ||w|| for the longest row; ||x|| (float32, within 1% of itself: bound_factor's
-        # margin) multiplies it per step.
-        self.max_norm = float(weight.double().norm(dim=1).max()) * bound_factor(k) * 1.01
+        raw, self.errors, self.norms = q8_0_blocks(weight)
+        self.blocks = kernels.pack_quant_lanes(raw, Q8_0, k)
+        self.c = sum_bound(k + k // BLOCK + 1)
+        self.max_error = float(self.errors.max())
+        self.max_norm = float(self.norms.max())
         self.max_rows = SCREEN_MAX_ROWS
-        if kernels.bf16_dot_min_rows():
-            self.max_rows = min(self.max_rows, kernels.bf16_dot_min_rows() - 1)
 
     @property
     def nbytes(self) -> int:
-        return self.hi.numel() * self.hi.element_size()
+        return self.blocks.numel() * self.blocks.element_size()
 
     def screened(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear_quant_lanes(x, self.hi, BF16_KERNEL_TYPE, self.num_rows,
-                                               None)
+        return self.kernels.linear_quant_lanes(x, self.blocks, Q8_0, self.num_rows, None)
 
     def candidates(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Per row of x, the vocabulary rows that may hold the float32 argmax: a row r
-        can beat the best screened row b only if a_r + B_r >= a_b - B_b, so every such r
-        has a_r >= a_b - 2 ||x|| max_w (B_w ||w||): a superset, found in three passes over
-        the screened logits (the exact bounds per row took more time than they saved)."""
+        """Per row of x, the vocabulary rows that may hold the float32 argmax. A row r can
+        beat the best screened row b only if a_r + B_r >= a_b - B_b, so every such r has
+        a_r >= a_b - 2 max B (three passes over the screened logits); past REFINE_ABOVE of
+        those, the ones with a_r + B_r >= max(a - B) over them (the row that maximizes
+        a - B is among them)."""
         screened = self.screened(x)
-        best = screened.max(dim=1, keepdim=True).values
-        reach = 2 * self.max_norm * x.norm(dim=1, keepdim=True)
-        maybe = screened >= best - reach
-        return [row.nonzero().squeeze(1) for row in maybe]
+        xd = x.double()
+        x1, x2 = xd.abs().sum(dim=1).tolist(), xd.norm(dim=1).tolist()
+        best = screened.max(dim=1).values.tolist()
+        found = []
+        for i, row in enumerate(screened):
+            reach = 2.02 * (self.max_error * x1[i] + self.c * self.max_norm * x2[i])
+            rows = (row >= best[i] - reach).nonzero().squeeze(1)
+            if len(rows) > REFINE_ABOVE:
+                a = row[rows]
+                bound = (self.errors[rows] * x1[i] + self.norms[rows] * (self.c * x2[i])) * 1.01
+                rows = rows[a + bound >= (a - bound).max()]
+            found.append(rows)
+        return found
 
     def argmax(self, x: torch.Tensor) -> list[int]:
         """The float32 head's greedy token for each row of x (hidden states, float32)."""
@@ -97,9 +127,13 @@ def build(model: torch.nn.Module, kernels: Any, world_size: int) -> GreedyScreen
     pays against the head's route (timed here), else None."""
     head = model.lm_head
     weight = head.weight
-    if (kernels is None or world_size != 1 or weight.dtype != torch.float32
+    # The head must multiply this float32 weight itself: not a GGUF file's blocks, nor
+    # bfloat16 copies (their products are another argmax's, and as few bytes or fewer).
+    float32_head = (getattr(head, "packed_dtype", None) is None
+                    and getattr(head, "quant_type", -1) in (-1, F32_LANES_TYPE))
+    if (kernels is None or world_size != 1 or not float32_head or weight.dtype != torch.float32
             or weight.dim() != 2 or weight.numel() == 0 or weight.shape[0] % 8
-            or weight.shape[1] % 32 or not kernels.quant_lanes_supported()):
+            or weight.shape[1] % BLOCK or not kernels.quant_lanes_supported()):
         return None
     screen = GreedyScreen(weight.detach(), kernels)
     x = torch.randn(1, weight.shape[1], generator=torch.Generator().manual_seed(0))
@@ -110,7 +144,7 @@ def build(model: torch.nn.Module, kernels: Any, world_size: int) -> GreedyScreen
             product(x)
             times[i] = min(times[i], time.perf_counter() - t0)
     pays = times[1] <= SCREEN_MAX_RATIO * times[0]
-    logger.info("greedy LM head screen (bfloat16 copy, %.0f MiB): one row %.2f ms against "
-                "the head's %.2f ms: %s", screen.nbytes / 2**20, times[1] * 1e3, times[0] * 1e3,
+    logger.info("greedy LM head screen (Q8_0 copy, %.0f MiB): one row %.2f ms against the "
+                "head's %.2f ms: %s", screen.nbytes / 2**20, times[1] * 1e3, times[0] * 1e3,
                 "kept" if pays else "not kept")
     return screen if pays else None

@@ -1,5 +1,5 @@
 """The greedy LM head screen (shards/cpu/greedy_screen.py): the float32 head's argmax from
-its bfloat16 copy and a few rows multiplied again, on rows built to nearly tie."""
+its Q8_0 copy and a few rows multiplied again, on rows built to nearly tie."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from shards.cpu import kernels as cpu_kernels
 
 kernels = cpu_kernels.load()
 pytestmark = pytest.mark.skipif(kernels is None or not kernels.quant_lanes_supported(),
-                                reason="raygen's bfloat16 lanes are not built here")
+                                reason="raygen's lanes are not built here")
 
 
 def near_ties(n: int = 1024, k: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A head whose rows come in pairs a few float32 ulps of bfloat16 apart (their
-    bfloat16 copies equal or one step apart), and hidden states that point at pairs."""
+    """A head whose rows come in pairs 0.1% apart (their Q8_0 copies mostly equal), and
+    hidden states that point at pairs."""
     g = torch.Generator().manual_seed(seed)
     base = torch.randn(n // 2, k, generator=g)
     twin = base + torch.randn(n // 2, k, generator=g) * 1e-3 * base.abs()
@@ -30,7 +30,7 @@ def near_ties(n: int = 1024, k: int = 64, seed: int = 0) -> tuple[torch.Tensor, 
     return weight, x
 
 
-def test_the_screen_draws_the_float32_argmax_where_bfloat16_alone_does_not():
+def test_the_screen_draws_the_float32_argmax_where_q8_0_alone_does_not():
     weight, x = near_ties()
     screen = greedy_screen.GreedyScreen(weight, kernels)
     exact = (x @ weight.T).argmax(dim=1).tolist()
@@ -38,7 +38,7 @@ def test_the_screen_draws_the_float32_argmax_where_bfloat16_alone_does_not():
     assert rows == exact
     # More rows at once (up to what a step takes) give the same.
     assert screen.argmax(x[:3]) == exact[:3]
-    # The rows multiplied again decide: the bfloat16 products alone miss some of these.
+    # The rows multiplied again decide: the Q8_0 products alone miss some of these.
     alone = screen.screened(x).argmax(dim=1).tolist()
     assert sum(a != e for a, e in zip(alone, exact, strict=True)) >= 5
     # And a few rows, not the vocabulary, are multiplied again.
@@ -61,11 +61,29 @@ def test_the_screen_is_kept_only_where_it_can_run_and_pays(monkeypatch):
     assert isinstance(greedy_screen.build(model, kernels, 1), greedy_screen.GreedyScreen)
     for args in ((model, kernels, 2), (model, None, 1)):  # two ranks; no kernels
         assert greedy_screen.build(*args) is None
-    for other in (weight.bfloat16(), weight[:1020], torch.empty(0)):  # bf16; rows not 8s
+    for other in (weight.bfloat16(), weight[:1020], weight[:, :48], torch.empty(0)):
         assert greedy_screen.build(SimpleNamespace(lm_head=SimpleNamespace(
             weight=other, matmul=model.lm_head.matmul)), kernels, 1) is None
+    for route in ({"quant_type": 2}, {"quant_type": 3}, {"packed_dtype": torch.bfloat16}):
+        head = SimpleNamespace(weight=weight, matmul=model.lm_head.matmul, **route)
+        assert greedy_screen.build(SimpleNamespace(lm_head=head), kernels, 1) is None
     monkeypatch.setattr(greedy_screen, "SCREEN_MAX_RATIO", 0.0)  # never pays
     assert greedy_screen.build(model, kernels, 1) is None
+
+
+def test_a_head_of_q8_0_values_is_screened_to_one_row():
+    """Where the weights are Q8_0 values already (a GGUF file's Q8_0 head, widened), the
+    copy is exact: no bound but the sums' rounding, one candidate a row."""
+    g = torch.Generator().manual_seed(2)
+    scale = (torch.rand(512, 2, 1, generator=g) * 0.01).half().float()
+    q = torch.randint(-127, 128, (512, 2, 32), generator=g)
+    q[..., 0] = 127  # each block's largest: its scale is d
+    weight = (q * scale).reshape(512, 64)
+    screen = greedy_screen.GreedyScreen(weight, kernels)
+    assert screen.max_error == 0.0
+    x = torch.randn(50, 64, generator=g)
+    assert all(len(rows) <= 2 for rows in screen.candidates(x))
+    assert screen.argmax(x) == (x @ weight.T).argmax(dim=1).tolist()
 
 
 def test_greedy_requests_without_logprobs_take_the_screen_and_draw_the_same(monkeypatch,
