@@ -18,10 +18,13 @@ token. So the token is the float32 product's argmax, up to the order its sums ar
 in, as with any of the head's kernels (a tie within float32 rounding may go either way, as
 between oneDNN and raygen's panels).
 
-Kept only where it pays at start-up (`build`): a head multiplied in float32 whose N x K
-weight the model still holds (a tied embedding; not a GGUF file's blocks or bfloat16
-weights), one rank, raygen's lanes built, and the screen's one-row product timed at most
-SCREEN_MAX_RATIO of the head's own."""
+A bfloat16 model's head (57 MB) is screened the same way where raygen's kernels multiply
+it by float32 x (steps of a few rows): the copy and the rows multiplied again are then of
+the weights rounded to bfloat16, so the token is that product's argmax.
+
+Kept only where it pays at start-up (`build`): a head whose N x K float32 weight the model
+still holds (a tied embedding; not a GGUF file's blocks), one rank, raygen's lanes built,
+and the screen's one-row product timed at most SCREEN_MAX_RATIO of the head's own."""
 
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from typing import Any
 
 import torch
 
-from shards.checkpoints.gguf_weights import KERNEL_TYPES
+from shards.checkpoints.gguf_weights import BF16_KERNEL_TYPE, KERNEL_TYPES
 from shards.cpu.layouts import F32_LANES_TYPE
 
 logger = logging.getLogger(__name__)
@@ -74,16 +77,22 @@ def sum_bound(n: int) -> float:
 
 
 class GreedyScreen:
-    def __init__(self, weight: torch.Tensor, kernels: Any):
+    """With `bfloat16`, the head multiplies W rounded to bfloat16 (by float32 x): the
+    argmax is that product's, the copy and the rows multiplied again are of those values."""
+
+    def __init__(self, weight: torch.Tensor, kernels: Any, bfloat16: bool = False,
+                 max_rows: int = SCREEN_MAX_ROWS):
         self.weight = weight  # the head's own float32 rows (shared, not copied)
         self.kernels = kernels
+        self.bfloat16 = bfloat16
         self.num_rows, k = weight.shape
-        raw, self.errors, self.norms = q8_0_blocks(weight)
+        raw, self.errors, self.norms = q8_0_blocks(weight.bfloat16().float() if bfloat16
+                                                   else weight)
         self.blocks = kernels.pack_quant_lanes(raw, Q8_0, k)
         self.c = sum_bound(k + k // BLOCK + 1)
         self.max_error = float(self.errors.max())
         self.max_norm = float(self.norms.max())
-        self.max_rows = SCREEN_MAX_ROWS
+        self.max_rows = max_rows
 
     @property
     def nbytes(self) -> int:
@@ -117,7 +126,8 @@ class GreedyScreen:
         """The float32 head's greedy token for each row of x (hidden states, float32)."""
         tokens = []
         for row, rows in zip(x, self.candidates(x), strict=True):
-            exact = torch.mv(self.weight[rows], row)
+            weights = self.weight[rows]
+            exact = torch.mv(weights.bfloat16().float() if self.bfloat16 else weights, row)
             tokens.append(int(rows[int(exact.argmax())]))
         return tokens
 
@@ -127,15 +137,23 @@ def build(model: torch.nn.Module, kernels: Any, world_size: int) -> GreedyScreen
     pays against the head's route (timed here), else None."""
     head = model.lm_head
     weight = head.weight
-    # The head must multiply this float32 weight itself: not a GGUF file's blocks, nor
-    # bfloat16 copies (their products are another argmax's, and as few bytes or fewer).
-    float32_head = (getattr(head, "packed_dtype", None) is None
-                    and getattr(head, "quant_type", -1) in (-1, F32_LANES_TYPE))
-    if (kernels is None or world_size != 1 or not float32_head or weight.dtype != torch.float32
+    # The head multiplies this float32 weight itself, or (a bfloat16 model) the weight
+    # rounded to bfloat16 by float32 x in raygen's kernels: steps of up to quant_rows rows
+    # (past them oneDNN rounds x too), below the lanes' bf16_dot_min_rows. Not a GGUF
+    # file's blocks (as few bytes as the copy's).
+    quant_type = getattr(head, "quant_type", -1)
+    max_rows, bfloat16 = SCREEN_MAX_ROWS, quant_type == BF16_KERNEL_TYPE
+    if bfloat16 and kernels is not None:
+        dot = kernels.bf16_dot_min_rows()
+        max_rows = min(max_rows, getattr(head, "quant_rows", 0), dot - 1 if dot else max_rows)
+    elif (getattr(head, "packed_dtype", None) is not None
+          or quant_type not in (-1, F32_LANES_TYPE)):
+        return None
+    if (kernels is None or world_size != 1 or max_rows < 1 or weight.dtype != torch.float32
             or weight.dim() != 2 or weight.numel() == 0 or weight.shape[0] % 8
             or weight.shape[1] % BLOCK or not kernels.quant_lanes_supported()):
         return None
-    screen = GreedyScreen(weight.detach(), kernels)
+    screen = GreedyScreen(weight.detach(), kernels, bfloat16, max_rows)
     x = torch.randn(1, weight.shape[1], generator=torch.Generator().manual_seed(0))
     times = [float("inf"), float("inf")]
     for _ in range(4):  # alternating, best of each (the first warms both up)
@@ -144,7 +162,8 @@ def build(model: torch.nn.Module, kernels: Any, world_size: int) -> GreedyScreen
             product(x)
             times[i] = min(times[i], time.perf_counter() - t0)
     pays = times[1] <= SCREEN_MAX_RATIO * times[0]
-    logger.info("greedy LM head screen (Q8_0 copy, %.0f MiB): one row %.2f ms against the "
-                "head's %.2f ms: %s", screen.nbytes / 2**20, times[1] * 1e3, times[0] * 1e3,
-                "kept" if pays else "not kept")
+    logger.info("greedy LM head screen (Q8_0 copy of the %s head, %.0f MiB, steps of up to %d "
+                "rows): one row %.2f ms against the head's %.2f ms: %s",
+                "bfloat16" if bfloat16 else "float32", screen.nbytes / 2**20, max_rows,
+                times[1] * 1e3, times[0] * 1e3, "kept" if pays else "not kept")
     return screen if pays else None

@@ -45,6 +45,18 @@ def test_the_screen_draws_the_float32_argmax_where_q8_0_alone_does_not():
     assert max(len(c) for c in screen.candidates(x)) <= 16
 
 
+def test_a_bfloat16_head_is_screened_for_its_own_argmax():
+    """The argmax of the weights rounded to bfloat16 (what a bfloat16 model's head
+    multiplies), not of the float32 ones: the twins of `near_ties` round to equal or
+    neighbouring bfloat16 rows, where the two argmaxes part."""
+    weight, x = near_ties(seed=3)
+    screen = greedy_screen.GreedyScreen(weight, kernels, bfloat16=True)
+    rounded = weight.bfloat16().float()
+    want = (x @ rounded.T).argmax(dim=1).tolist()
+    assert [screen.argmax(x[i:i + 1])[0] for i in range(len(x))] == want
+    assert want != (x @ weight.T).argmax(dim=1).tolist()
+
+
 def test_random_hidden_states_agree_with_the_float32_head():
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(4096, 96, generator=g) * 0.05
@@ -64,9 +76,17 @@ def test_the_screen_is_kept_only_where_it_can_run_and_pays(monkeypatch):
     for other in (weight.bfloat16(), weight[:1020], weight[:, :48], torch.empty(0)):
         assert greedy_screen.build(SimpleNamespace(lm_head=SimpleNamespace(
             weight=other, matmul=model.lm_head.matmul)), kernels, 1) is None
-    for route in ({"quant_type": 2}, {"quant_type": 3}, {"packed_dtype": torch.bfloat16}):
+    # A GGUF file's Q8_0 head, oneDNN's bfloat16 product (x rounded), a bfloat16 head that
+    # raygen's kernels multiply in no step: none.
+    for route in ({"quant_type": 2}, {"packed_dtype": torch.bfloat16},
+                  {"quant_type": 3, "quant_rows": 0, "packed_dtype": torch.bfloat16}):
         head = SimpleNamespace(weight=weight, matmul=model.lm_head.matmul, **route)
         assert greedy_screen.build(SimpleNamespace(lm_head=head), kernels, 1) is None
+    # A bfloat16 head in raygen's kernels for steps of up to 2 rows: screened there.
+    head = SimpleNamespace(weight=weight, matmul=model.lm_head.matmul, quant_type=3,
+                           quant_rows=2, packed_dtype=torch.bfloat16)
+    screen = greedy_screen.build(SimpleNamespace(lm_head=head), kernels, 1)
+    assert (screen.bfloat16, screen.max_rows) == (True, 2)
     monkeypatch.setattr(greedy_screen, "SCREEN_MAX_RATIO", 0.0)  # never pays
     assert greedy_screen.build(model, kernels, 1) is None
 
