@@ -12,11 +12,13 @@ distance from the float32 product:
 where E_r is row r's largest |w - d q| (measured when the copy is made: the blocks' own
 rounding), and c = 1.01 x 2.01 gamma_n bounds both sides' float32 sums of n products
 (gamma_n = n u / (1 - n u)). Every vocabulary row whose screened logit plus its bound
-reaches the best of (screened - bound) may be the argmax; those rows (1-10 on SmolLM2)
-are multiplied again in float32 from the head's own weights, and the best of them is the
-token. So the token is the float32 product's argmax, up to the order its sums are taken
-in, as with any of the head's kernels (a tie within float32 rounding may go either way, as
-between oneDNN and raygen's panels).
+reaches the best of (screened - bound) may be the argmax; those rows (1-2 a step on
+SmolLM2's F32 file, whose head holds Q8_0 values; 5-7 at the median, 90 at most, on that
+head with noise added: benchmarks/NOTES.md 119) are multiplied again in float32 from the
+head's own weights, and the best of them is the token. So the token is the float32
+product's argmax, up to the order its sums are taken in, as with any of the head's
+kernels (a tie within float32 rounding may go either way, as between oneDNN and raygen's
+panels).
 
 A bfloat16 model's head (57 MB) is screened the same way where raygen's kernels multiply
 it by float32 x (steps of a few rows): the copy and the rows multiplied again are then of

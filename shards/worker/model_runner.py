@@ -124,8 +124,8 @@ class ModelRunner:
             use_cpu_kernels(self.model, kernels)
             self.model.model.decode_loop = DecodeLoop(self.model.model, kernels)
             logger.info("RMSNorm and rotary embedding: raygen's CPU kernels")
-        # Greedy rows that want no logprobs: the float32 head's argmax from a bfloat16 copy
-        # (shards/cpu/greedy_screen.py), where it pays; rank 0 alone samples.
+        # Greedy rows that want no logprobs: the LM head's argmax from a Q8_0 copy of it
+        # (shards/cpu/greedy_screen.py), where it pays; one rank only (it samples).
         self.screen = greedy_screen.build(self.model, kernels, tp.world_size)
         self.adapters = RankAdapters(self.model, config.max_lora_rank, self.dtype, self.device,
                                      kernels, config.lora_adapters)
@@ -176,8 +176,8 @@ class ModelRunner:
             # A second copy of the weights for small steps, as timed at start-up ("rows in
             # lanes", "panels", "K x N", "float32, widened from bfloat16"), or None.
             "weight_copy": self.weights.weight_copy,
-            # Greedy rows without logprobs take the LM head's argmax from its bfloat16
-            # copy (exact: shards/cpu/greedy_screen.py), where that paid at start-up.
+            # Greedy rows without logprobs take the LM head's argmax from its Q8_0 copy
+            # (exact: shards/cpu/greedy_screen.py), where that paid at start-up.
             "greedy_screen": self.screen is not None,
         }
 
