@@ -103,6 +103,9 @@ def validate(request: TGIRequest, tokenizer: Any, limits: Limits, stream: bool) 
         grammar=grammar_text,
         adapter=limits.adapters[p.adapter_id][0] if p.adapter_id else None,  # its id
         watermark=p.watermark,
+        # A token's logprob where the response shows it (every streamed token, `details`)
+        # or best_of ranks by it; a plain /generate answer is its text alone.
+        logprobs=stream or p.details or p.decoder_input_details or best_of > 1,
     )
     return ValidRequest(ids, params, best_of, sampling)
 

@@ -590,3 +590,19 @@ def test_a_token_s_logprob_is_asked_of_the_engine_only_where_the_response_shows_
              (chat_request("hi", logprobs=True), True, True))
     for request, chat, wanted in cases:
         assert params(LIMITS, 4, request, chat, num_prompt_tokens=3).logprobs is wanted
+
+
+def test_tgi_asks_for_a_token_s_logprob_only_where_its_response_shows_it(tokenizer):
+    """A plain /generate answer is its text: its tokens' logprobs are not asked of the engine
+    (a greedy row may skip the full vocabulary's logits); a stream, `details`,
+    `decoder_input_details` and best_of (ranked by them) ask for them."""
+    from deployments.tgi import TGIRequest, validate
+
+    limits = Limits(max_input_tokens=64, max_total_tokens=128, max_stop_sequences=4,
+                    max_best_of=2, max_top_n_tokens=5)
+    for parameters, stream, wanted in (({}, False, False), ({}, True, True),
+                                       ({"details": True}, False, True),
+                                       ({"decoder_input_details": True}, False, True),
+                                       ({"best_of": 2, "do_sample": True}, False, True)):
+        request = TGIRequest(inputs="hi", parameters={"max_new_tokens": 4, **parameters})
+        assert validate(request, tokenizer, limits, stream).params.logprobs is wanted
