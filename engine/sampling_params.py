@@ -26,9 +26,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     top_n_tokens: int = 0  # alternatives returned with each token's logprob
-    # Whether each drawn token's logprob is wanted (TGI returns one with every token;
-    # OpenAI only with `logprobs`). Without, a plain greedy row may skip the full
-    # vocabulary's logits (shards/cpu/greedy_screen.py) and its logprobs are NaN.
+    # Whether each drawn token's logprob is wanted (TGI's streams and `details` show one
+    # with every token, OpenAI only with `logprobs`). Without, a plain greedy row may skip
+    # the full vocabulary's logits (shards/cpu/greedy_screen.py) and its logprobs are NaN.
     logprobs: bool = True
     prompt_logprobs: bool = False
     prompt_top_n_tokens: int = 0  # alternatives returned with each prompt token's logprob

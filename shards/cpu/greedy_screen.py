@@ -2,10 +2,10 @@
 
 A one-row step of a small float32 model reads its LM head as much as its layers: SmolLM2's
 tied 49,152 x 576 embedding is 113 MB of the 540 MB a token reads. A greedy row whose
-caller wants no logprobs (OpenAI's requests without `logprobs`) needs only the argmax, so
-the screen multiplies a copy of the head in Q8_0 blocks (llama.cpp's 8-bit blocks of 32
-with an fp16 scale: 30 MB, raygen's lanes, x kept in float32) and bounds each logit's
-distance from the float32 product:
+caller wants no logprobs (OpenAI's requests without `logprobs`, TGI's plain /generate)
+needs only the argmax, so the screen multiplies a copy of the head in Q8_0 blocks
+(llama.cpp's 8-bit blocks of 32 with an fp16 scale: 30 MB, raygen's lanes, x kept in
+float32) and bounds each logit's distance from the float32 product:
 
     |screened_r - logit_r| <= E_r ||x||_1 + c ||x||_2 max(||w_r||, ||q_r||) = B_r
 
