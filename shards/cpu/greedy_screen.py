@@ -42,7 +42,7 @@ from shards.cpu.layouts import F32_LANES_TYPE
 logger = logging.getLogger(__name__)
 
 Q8_0 = KERNEL_TYPES["Q8_0"]
-BLOCK = 32
+BLOCK = 32  # Q8_0's block
 # The screen is kept where its one-row product takes at most this share of the head's
 # (SmolLM2's F32 head on an Intel Xeon: about a third; benchmarks/NOTES.md 119).
 SCREEN_MAX_RATIO = 0.75
@@ -55,21 +55,19 @@ REFINE_ABOVE = 32
 
 
 def q8_0_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """W (N x K float32) as Q8_0 blocks, one uint8 row of K / 32 blocks (fp16 d, 32 int8)
-    per output row as a GGUF file holds them; each row's largest |w - d q| and each row's
-    norm, the larger of W's and the blocks' (float64 sums, rounded up)."""
-    n, k = weight.shape
-    blocks = weight.reshape(n, k // BLOCK, BLOCK)
-    d = (blocks.abs().amax(dim=2, keepdim=True) / 127).half()
-    scale = d.float()
-    q = torch.where(scale > 0, blocks / scale, torch.zeros_like(blocks)).round().clamp(-127, 127)
-    values = (q * scale).double()
-    error = (blocks.double() - values).abs().reshape(n, k).amax(dim=1)
-    norms = torch.maximum(weight.double().norm(dim=1), values.reshape(n, k).norm(dim=1))
-    raw = torch.cat([d.view(torch.uint8).reshape(n, k // BLOCK, 2),
-                     q.to(torch.int8).view(torch.uint8)], dim=2)
+    """W (N x K float32) as Q8_0 blocks by the `gguf` package's quantizer (llama.cpp's
+    rounding, as `quantize=q8_0` makes them), one uint8 row of K / 32 blocks per output
+    row; each row's largest |w - d q| and each row's norm, the larger of W's and the
+    blocks' (float64, rounded up)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType.Q8_0
+    raw = gguf.quants.quantize(weight.contiguous().numpy(), qtype)
+    values = torch.from_numpy(gguf.quants.dequantize(raw, qtype)).double()
+    error = (weight.double() - values).abs().amax(dim=1)
+    norms = torch.maximum(weight.double().norm(dim=1), values.norm(dim=1))
     up = 1 + 2.0**-20
-    return raw.reshape(n, -1).contiguous(), (error * up).float(), (norms * up).float()
+    return torch.from_numpy(raw), (error * up).float(), (norms * up).float()
 
 
 def sum_bound(n: int) -> float:
